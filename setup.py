@@ -1,0 +1,34 @@
+"""torch_patches: saved-tensor hooks as first-class citizens of torch.compile."""
+
+import os
+import re
+
+from setuptools import find_packages, setup
+
+
+def _version() -> str:
+    path = os.path.join(os.path.dirname(__file__), "torch_patches", "__init__.py")
+    with open(path) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+setup(
+    name="torch_patches",
+    version=_version(),
+    description="Saved-tensor hooks inlined, placed and cached correctly under torch.compile",
+    long_description=open(os.path.join(os.path.dirname(__file__), "README.md")).read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_patches", "torch_patches.*"]),
+    package_data={"torch_patches": ["fingerprints.json"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11,<2.16"],
+    extras_require={
+        "test": ["pytest>=7", "expecttest>=0.2", "hypothesis>=6", "numpy"],
+        "upstream": ["ghstack"],
+    },
+    entry_points={"console_scripts": ["torch-patches=torch_patches.__main__:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,751 @@
+"""Golden graphs: where inlined saved-tensor hooks land in the AOT forward/backward graphs.
+
+Things to note when reading the goldens:
+* a ``# pack(x)`` node sits right after ``x``'s last forward use, so ``x`` is freed
+  there (``x = None``) and only the packed tensor is returned for the backward;
+* a ``# unpack(x)`` node sits right before the first backward node that reads ``x``;
+* by default (filtering mode "donated") inputs, parameters and their views are not
+  hooked: packing them would free nothing.
+"""
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.nn.functional as F
+from torch._dynamo.test_case import run_tests
+
+import torch_patches.config as tp_config
+from common_hooks import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
+from torch_patches.testing import (
+    AotEagerAndRecordGraphs,
+    InductorAndRecordGraphs,
+    TORCH_VERSION,
+    TestCase,
+    instantiate_device_type_tests,
+)
+
+
+class TestInlinePlacement(TestCase):
+    def compile_step(self, fn, *inputs, hooks=BF16, backend=None, dynamic=False):
+        backend = backend or AotEagerAndRecordGraphs()
+        compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out = compiled(*inputs)
+        out.sum().backward()
+        self.assertEqual(len(backend.fw_graphs), 1)
+        check_placed_at_use(self, backend.fw_graphs[0], backend.bw_graphs[0])
+        return backend
+
+    def test_linear(self, device):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        w = torch.randn(16, 8, device=device, requires_grad=True)
+        rec = self.compile_step(lambda x, w: F.linear(x, w).relu().sin(), x, w)
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[4, 8]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_2, t)
+        relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu)
+        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
+        relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
+        return (sin, primals_2, t, relu_packed, detach_packed)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, t)
+        relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu)
+        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
+        relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
+        return (sin, primals_1, t, relu_packed, detach_packed)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_2: "f32[4, 8]", t: "f32[8, 16]", relu_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", tangents_1: "f32[4, 16]"):
+        relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
+        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked);  relu_unpacked = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
+        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
+        t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
+        mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_2);  t_1 = primals_2 = None
+        t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
+        t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        return (t_4, mm_2)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 16]", relu_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", tangents_1: "f32[4, 16]"):
+        relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
+        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked);  relu_unpacked = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
+        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
+        t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
+        mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+        t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
+        t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        return (mm_2, t_4)""")
+
+    def test_mlp_block(self, device):
+        def block(x, w1, w2):
+            h = F.linear(x, w1)
+            h = F.gelu(h) * h.sigmoid()
+            return x + F.linear(h, w2)
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        w1 = torch.randn(16, 8, device=device, requires_grad=True)
+        w2 = torch.randn(8, 16, device=device, requires_grad=True)
+        rec = self.compile_step(block, x, w1, w2)
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[8, 16]", primals_3: "f32[4, 8]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_3, t)
+        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
+        sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
+        mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid)
+        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid)
+        gelu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(gelu, dtype = torch.bfloat16);  gelu = None  # pack(gelu)
+        sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
+        t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
+        mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, mm_1);  mm_1 = None
+        return (add, primals_3, t, mm_packed, gelu_packed, sigmoid_packed, detach_packed, mul_packed, t_1)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]", primals_3: "f32[8, 16]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, t)
+        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
+        sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
+        mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid)
+        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid)
+        gelu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(gelu, dtype = torch.bfloat16);  gelu = None  # pack(gelu)
+        sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
+        t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
+        mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, mm_1);  mm_1 = None
+        return (add, primals_1, t, mm_packed, gelu_packed, sigmoid_packed, detach_packed, mul_packed, t_1)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_3: "f32[4, 8]", t: "f32[8, 16]", mm_packed: "bf16[4, 16]", gelu_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_1: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
+        mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
+        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
+        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
+        t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
+        gelu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(gelu_packed, dtype = torch.float32);  gelu_packed = None  # unpack(gelu)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu_unpacked);  gelu_unpacked = None
+        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = sigmoid_unpacked = None
+        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
+        mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
+        gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
+        add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
+        t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
+        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
+        t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
+        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
+        t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
+        return (t_9, t_5, add_2)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 16]", mm_packed: "bf16[4, 16]", gelu_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_1: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
+        mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
+        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
+        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
+        t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
+        gelu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(gelu_packed, dtype = torch.float32);  gelu_packed = None  # unpack(gelu)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu_unpacked);  gelu_unpacked = None
+        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = sigmoid_unpacked = None
+        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
+        mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
+        gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
+        add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
+        t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
+        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_1);  t_6 = primals_1 = None
+        t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
+        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
+        t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
+        return (add_2, t_9, t_5)""")
+
+    def test_residual_stack(self, device):
+        def stack(x, ws):
+            for w in ws:
+                x = x + F.linear(x, w).tanh()
+            return x
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        ws = [torch.randn(8, 8, device=device, requires_grad=True) for _ in range(3)]
+        rec = self.compile_step(stack, x, ws)
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]", primals_4: "f32[4, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_4, t)
+        tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
+        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_4, tanh);  tanh = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
+        tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
+        detach_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.bfloat16);  detach_1 = None  # pack(detach_1)
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
+        add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
+        tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
+        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
+        detach_2_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_2, dtype = torch.bfloat16);  detach_2 = None  # pack(detach_2)
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, tanh_2);  tanh_2 = None
+        add_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add_1, dtype = torch.bfloat16);  add_1 = None  # pack(add_1)
+        return (add_2, primals_4, t, detach_packed, add_packed, t_1, detach_1_packed, add_1_packed, t_2, detach_2_packed)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]", primals_4: "f32[8, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, t)
+        tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
+        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, tanh);  tanh = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
+        tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
+        detach_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.bfloat16);  detach_1 = None  # pack(detach_1)
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
+        add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_4);  primals_4 = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
+        tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
+        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
+        detach_2_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_2, dtype = torch.bfloat16);  detach_2 = None  # pack(detach_2)
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, tanh_2);  tanh_2 = None
+        add_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add_1, dtype = torch.bfloat16);  add_1 = None  # pack(add_1)
+        return (add_2, primals_1, t, detach_packed, add_packed, t_1, detach_1_packed, add_1_packed, t_2, detach_2_packed)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_4: "f32[4, 8]", t: "f32[8, 8]", detach_packed: "bf16[4, 8]", add_packed: "bf16[4, 8]", t_1: "f32[8, 8]", detach_1_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", t_2: "f32[8, 8]", detach_2_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+        detach_2_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_2_packed, dtype = torch.float32);  detach_2_packed = None  # unpack(detach_2)
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2_unpacked);  detach_2_unpacked = None
+        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3);  detach_3 = None
+        t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
+        add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
+        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
+        t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
+        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
+        add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
+        t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
+        detach_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
+        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1_unpacked);  detach_1_unpacked = None
+        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4);  detach_4 = None
+        t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
+        add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
+        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
+        t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
+        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
+        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
+        t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5);  detach_5 = None
+        t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
+        mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_4);  t_11 = primals_4 = None
+        t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
+        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
+        add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
+        t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
+        return (t_14, t_10, t_6, add_5)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 8]", detach_packed: "bf16[4, 8]", add_packed: "bf16[4, 8]", t_1: "f32[8, 8]", detach_1_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", t_2: "f32[8, 8]", detach_2_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+        detach_2_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_2_packed, dtype = torch.float32);  detach_2_packed = None  # unpack(detach_2)
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2_unpacked);  detach_2_unpacked = None
+        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3);  detach_3 = None
+        t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
+        add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
+        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
+        t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
+        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
+        add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
+        t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
+        detach_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
+        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1_unpacked);  detach_1_unpacked = None
+        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4);  detach_4 = None
+        t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
+        add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
+        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
+        t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
+        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
+        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
+        t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5);  detach_5 = None
+        t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
+        mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
+        t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
+        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
+        mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
+        add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
+        t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
+        return (add_5, t_14, t_10, t_6)""")
+
+    def test_tuple_pack_dtype_and_tensor(self, device):
+        # The dtype leaf is a constant: it is baked into the unpack graph, not saved.
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=DTYPE)
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+        exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
+        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
+        exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
+        return (cos, primals_1, exp_packed, detach_packed)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+        exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
+        return (mul_2,)""")
+
+    def test_shape_changing_pack(self, device):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT)
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+        exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
+        view_default_1: "f32[32]" = torch.ops.aten.view.default(detach, [-1]);  detach = None  # pack(detach)
+        detach_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
+        view_default: "f32[32]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
+        exp_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
+        return (cos, primals_1, exp_packed, detach_packed)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "f32[32]", detach_packed: "f32[32]", tangents_1: "f32[4, 8]"):
+        div_tensor: "f32[32]" = torch.ops.aten.div.Tensor(exp_packed, 2);  exp_packed = None  # unpack(exp)
+        exp_unpacked: "f32[4, 8]" = torch.ops.aten.view.default(div_tensor, [4, 8]);  div_tensor = None  # unpack(exp)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        div_tensor_1: "f32[32]" = torch.ops.aten.div.Tensor(detach_packed, 2);  detach_packed = None  # unpack(detach)
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten.view.default(div_tensor_1, [4, 8]);  div_tensor_1 = None  # unpack(detach)
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
+        return (mul_2,)""")
+
+    def test_dynamic_shapes(self, device):
+        # The shape-changing hook under dynamic shapes: its sizes are symbolic and the
+        # backward reads them from the saved symints.
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT, dynamic=True)
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[s77, s27]", primals_2: "Sym(s77)", primals_3: "Sym(s27)"):
+        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_1)
+        exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
+        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp)
+        view_default_1: "f32[s27*s77]" = torch.ops.aten.view.default(detach, [-1])  # pack(detach)
+        detach_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
+        detach_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(detach, 0)  # pack(detach)
+        detach_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(detach, 1);  detach = None  # pack(detach)
+        cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
+        exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
+        exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
+        view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
+        exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
+        return (cos, primals_1, exp_packed_2, detach_packed_2, primals_3, primals_2, exp_packed_0, exp_packed_1, detach_packed_0, detach_packed_1)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "Sym(s77)", primals_2: "Sym(s27)", primals_3: "f32[s77, s27]"):
+        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_3)
+        exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
+        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp)
+        view_default_1: "f32[s27*s77]" = torch.ops.aten.view.default(detach, [-1])  # pack(detach)
+        detach_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
+        detach_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(detach, 0)  # pack(detach)
+        detach_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(detach, 1);  detach = None  # pack(detach)
+        cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
+        exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
+        exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
+        view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
+        exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
+        return (cos, primals_3, exp_packed_2, detach_packed_2, primals_2, primals_1, exp_packed_0, exp_packed_1, detach_packed_0, detach_packed_1)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_3: "Sym(s27)", primals_2: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", detach_packed_0: "Sym(s77)", detach_packed_1: "Sym(s27)", primals_1: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", detach_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
+        div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
+        exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
+        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        div_tensor_1: "f32[s27*s77]" = torch.ops.aten.div.Tensor(detach_packed_2, 2);  detach_packed_2 = None  # unpack(detach)
+        detach_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor_1, [detach_packed_0, detach_packed_1]);  div_tensor_1 = detach_packed_0 = detach_packed_1 = None  # unpack(detach)
+        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_1: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
+        cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+        mul_2: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
+        return (mul_2, None, None)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_2: "Sym(s27)", primals_1: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", detach_packed_0: "Sym(s77)", detach_packed_1: "Sym(s27)", primals_3: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", detach_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
+        div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
+        exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
+        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul_8: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        div_tensor_1: "f32[s27*s77]" = torch.ops.aten.div.Tensor(detach_packed_2, 2);  detach_packed_2 = None  # unpack(detach)
+        detach_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor_1, [detach_packed_0, detach_packed_1]);  div_tensor_1 = detach_packed_0 = detach_packed_1 = None  # unpack(detach)
+        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_9: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_8, detach_1);  mul_8 = detach_1 = None
+        cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_3);  primals_3 = None
+        mul_10: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_9, cos_1);  mul_9 = cos_1 = None
+        return (None, None, mul_10)""")
+
+    def _filtering_mode(self, device, mode):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        with functorch_config.patch(saved_tensors_hooks_filtering_mode=mode):
+            return self.compile_step(lambda x, w: (x @ w).sin().cos(), x, w, hooks=EXACT)
+
+    def test_filtering_mode_donated(self, device):
+        rec = self._filtering_mode(device, "donated")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1, primals_2, mm_packed, sin_packed)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1, primals_2, mm_packed, sin_packed)""")
+
+    def test_filtering_mode_no_static(self, device):
+        # Inputs are hooked too, but not static inputs (parameters in a module).
+        rec = self._filtering_mode(device, "no_static")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+        primals_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
+        primals_2_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
+        primals_1_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
+        primals_2_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+
+    def test_filtering_mode_all(self, device):
+        rec = self._filtering_mode(device, "all")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+        primals_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
+        primals_2_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
+        primals_1_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
+        primals_2_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
+        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
+        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
+        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1_packed: "f32[8, 8]", primals_2_packed: "f32[4, 8]", mm_packed: "f32[4, 8]", sin_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
+        sin_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(sin_packed, 2);  sin_packed = None  # unpack(sin)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin_unpacked);  sin_unpacked = None
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
+        primals_2_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(primals_2_packed, 2);  primals_2_packed = None  # unpack(primals_2)
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2_unpacked);  primals_2_unpacked = None
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t, mul_1);  t = None
+        primals_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(primals_1_packed, 2);  primals_1_packed = None  # unpack(primals_1)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1_unpacked);  primals_1_unpacked = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
+        return (mm_1, mm_2)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1_packed: "f32[4, 8]", primals_2_packed: "f32[8, 8]", mm_packed: "f32[4, 8]", sin_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
+        sin_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(sin_packed, 2);  sin_packed = None  # unpack(sin)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin_unpacked);  sin_unpacked = None
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
+        primals_1_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(primals_1_packed, 2);  primals_1_packed = None  # unpack(primals_1)
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1_unpacked);  primals_1_unpacked = None
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t, mul_1);  t = None
+        primals_2_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(primals_2_packed, 2);  primals_2_packed = None  # unpack(primals_2)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2_unpacked);  primals_2_unpacked = None
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
+        return (mm_2, mm_1)""")
+
+    def test_prefetch_distance(self, device):
+        # Each unpack is issued two backward nodes before its first use.
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with tp_config.patch(unpack_prefetch_distance=2):
+            backend = AotEagerAndRecordGraphs()
+            compiled = torch.compile(lambda x: x.sin().exp().cos().tanh(), backend=backend)
+            with torch.autograd.graph.saved_tensors_hooks(*BF16):
+                compiled(x).sum().backward()
+        self.assertExpectedGraph(backend.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", detach_1: "f32[4, 8]", tangents_1: "f32[4, 8]"):
+        exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
+        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_2);  tangents_1 = detach_2 = None
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tanh_backward, neg);  tanh_backward = neg = None
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_3);  mul = detach_3 = None
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
+        return (mul_2,)""")
+
+    def test_boundary_placement_matches_upstream(self, device):
+        # config.hook_placement="boundary" reproduces upstream: epilogue / prologue.
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with tp_config.patch(hook_placement="boundary"):
+            backend = AotEagerAndRecordGraphs()
+            compiled = torch.compile(lambda x: x.sin().exp().cos(), backend=backend)
+            with torch.autograd.graph.saved_tensors_hooks(*BF16):
+                compiled(x).sum().backward()
+        self.assertExpectedGraph(backend.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+        exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
+        exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
+        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
+        return (cos, primals_1, exp_packed, detach_packed)""")
+        self.assertExpectedGraph(backend.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
+        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
+        return (mul_2,)""")
+
+    def test_inductor_receives_placed_graphs(self, device):
+        def block(x, w1, w2):
+            return x + F.linear(F.gelu(F.linear(x, w1)), w2)
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        w1 = torch.randn(16, 8, device=device, requires_grad=True)
+        w2 = torch.randn(8, 16, device=device, requires_grad=True)
+        rec = self.compile_step(block, x, w1, w2, backend=InductorAndRecordGraphs())
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[8, 16]", primals_3: "f32[4, 8]"):
+        permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_1, [1, 0]);  primals_1 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_3, permute)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.5)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.7071067811865476)
+        mm_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mm, torch.bfloat16);  mm = None  # pack(mm)
+        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul, add);  mul = add = None
+        permute_1: "f32[16, 8]" = torch.ops.aten.permute.default(primals_2, [1, 0]);  primals_2 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_2, permute_1)
+        mul_2_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2, torch.bfloat16);  mul_2 = None  # pack(mul_2)
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, mm_1);  mm_1 = None
+        permute_4: "f32[8, 16]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
+        permute_8: "f32[16, 8]" = torch.ops.aten.permute.default(permute, [1, 0]);  permute = None
+        return (add_1, primals_3, mm_packed, mul_2_packed, permute_4, permute_8)""")
+        else:
+            self.assertExpectedGraph(rec.fw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]", primals_3: "f32[8, 16]"):
+        permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_2, [1, 0]);  primals_2 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, permute)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.5)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.7071067811865476)
+        mm_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mm, torch.bfloat16);  mm = None  # pack(mm)
+        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul, add);  mul = add = None
+        permute_1: "f32[16, 8]" = torch.ops.aten.permute.default(primals_3, [1, 0]);  primals_3 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_2, permute_1)
+        mul_2_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2, torch.bfloat16);  mul_2 = None  # pack(mul_2)
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, mm_1);  mm_1 = None
+        permute_4: "f32[8, 16]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
+        permute_8: "f32[16, 8]" = torch.ops.aten.permute.default(permute, [1, 0]);  permute = None
+        return (add_1, primals_1, mm_packed, mul_2_packed, permute_4, permute_8)""")
+        if TORCH_VERSION >= (2, 15):
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_3: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        permute_2: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
+        mul_2_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2_packed, torch.float32);  mul_2_packed = None  # unpack(mul_2)
+        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(permute_2, mul_2_unpacked);  permute_2 = mul_2_unpacked = None
+        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, permute_4);  permute_4 = None
+        mm_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mm_packed, torch.float32);  mm_packed = None  # unpack(mm)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, 0.7071067811865476)
+        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
+        mul_4: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, 0.5);  add = None
+        mul_5: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mm_unpacked)
+        mul_6: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul_5, -0.5);  mul_5 = None
+        exp: "f32[4, 16]" = torch.ops.aten.exp.default(mul_6);  mul_6 = None
+        mul_7: "f32[4, 16]" = torch.ops.aten.mul.Tensor(exp, 0.3989422804014327);  exp = None
+        mul_8: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mul_7);  mm_unpacked = mul_7 = None
+        add_3: "f32[4, 16]" = torch.ops.aten.add.Tensor(mul_4, mul_8);  mul_4 = mul_8 = None
+        mul_9: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, add_3);  mm_3 = add_3 = None
+        permute_6: "f32[16, 4]" = torch.ops.aten.permute.default(mul_9, [1, 0])
+        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(permute_6, primals_3);  permute_6 = primals_3 = None
+        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(mul_9, permute_8);  mul_9 = permute_8 = None
+        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
+        return (mm_4, mm_2, add_4)""")
+        else:
+            self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        permute_2: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
+        mul_2_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2_packed, torch.float32);  mul_2_packed = None  # unpack(mul_2)
+        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(permute_2, mul_2_unpacked);  permute_2 = mul_2_unpacked = None
+        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, permute_4);  permute_4 = None
+        mm_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mm_packed, torch.float32);  mm_packed = None  # unpack(mm)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, 0.7071067811865476)
+        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
+        mul_4: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, 0.5);  add = None
+        mul_5: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mm_unpacked)
+        mul_6: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul_5, -0.5);  mul_5 = None
+        exp: "f32[4, 16]" = torch.ops.aten.exp.default(mul_6);  mul_6 = None
+        mul_7: "f32[4, 16]" = torch.ops.aten.mul.Tensor(exp, 0.3989422804014327);  exp = None
+        mul_8: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mul_7);  mm_unpacked = mul_7 = None
+        add_3: "f32[4, 16]" = torch.ops.aten.add.Tensor(mul_4, mul_8);  mul_4 = mul_8 = None
+        mul_9: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, add_3);  mm_3 = add_3 = None
+        permute_6: "f32[16, 4]" = torch.ops.aten.permute.default(mul_9, [1, 0])
+        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(permute_6, primals_1);  permute_6 = primals_1 = None
+        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(mul_9, permute_8);  mul_9 = permute_8 = None
+        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
+        return (add_4, mm_4, mm_2)""")
+
+
+instantiate_device_type_tests(TestInlinePlacement, globals())
+
+
+if __name__ == "__main__":
+    run_tests()

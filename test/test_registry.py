@@ -1,0 +1,298 @@
+"""Meta-tests of the patch registry: records, identity round trips, refusals."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+import unittest.mock as mock
+import warnings
+
+import torch
+from torch._dynamo.test_case import run_tests
+
+import torch_patches
+import torch_patches.config as tp_config
+from torch_patches import _registry
+from torch_patches._patches import PATCHES
+from torch_patches.testing import TestCase
+
+
+SUPPORTED_MINORS = [f"2.{m}" for m in range(11, 16)]
+
+
+def _raw(patch):
+    owner, attr, raw = _registry._resolve(patch.target)
+    return raw
+
+
+def _snapshot_torch():
+    """id() of every attribute of every loaded torch module and of patched classes."""
+    snap = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch" or name.startswith("torch.")):
+            continue
+        for k, v in list(vars(module).items()):
+            snap[(name, k)] = id(v)
+    for patch in PATCHES:
+        owner, _, _ = _registry._resolve(patch.target)
+        if isinstance(owner, type):
+            for k, v in vars(owner).items():
+                snap[(owner.__qualname__, k)] = id(v)
+    return snap
+
+
+class TestRecords(TestCase):
+    apply_patches = False
+
+    def test_records_complete(self):
+        self.assertEqual(_registry.validate_records(PATCHES), [])
+        for patch in PATCHES:
+            self.assertTrue(patch.summary.startswith("["), patch.name)
+            self.assertIn(":", patch.target)
+            self.assertEqual(
+                sorted(patch.fingerprints),
+                SUPPORTED_MINORS,
+                f"{patch.name} lacks fingerprints for some supported torch versions",
+            )
+
+    def test_validate_records_catches_problems(self):
+        good = PATCHES[0]
+        bad = [
+            dataclasses.replace(good, upstream=""),
+            dataclasses.replace(good, name="x", upstream="https://example.com"),
+            dataclasses.replace(good, name="y", fingerprints={}),
+            dataclasses.replace(good, name="z", torch_min=(2, 9)),
+            dataclasses.replace(good, name="w", after=("nope",)),
+            dataclasses.replace(good, name="v", target="no_colon"),
+        ]
+        for record in bad:
+            problems = _registry.validate_records([record])
+            self.assertTrue(problems, record)
+            self.assertTrue(all(p.startswith(record.name or "?") for p in problems), problems)
+
+    def test_fingerprints_match_installed_torch(self):
+        for record in torch_patches.status():
+            self.assertTrue(record.in_band, record)
+            self.assertTrue(record.fingerprint_ok, f"{record.name}: {record.problem}")
+
+    def test_fingerprint_ignores_comments_docstrings_annotations(self):
+        a = "def f(x: int) -> int:\n    '''doc'''\n    # comment\n    return x + 1\n"
+        b = "def f(x):\n    return x + 1  # other\n"
+        c = "def f(x):\n    return x + 2\n"
+        fp = _registry.fingerprint_source
+        self.assertEqual(fp(a), fp(b))
+        self.assertNotEqual(fp(a), fp(c))
+
+    def test_status_records(self):
+        records = torch_patches.status()
+        self.assertEqual([r.name for r in records], [p.name for p in PATCHES])
+        for r in records:
+            d = r.as_dict()
+            for key in ("name", "target", "band", "applied", "fingerprint_ok", "upstream", "retire_when"):
+                self.assertIn(key, d)
+            self.assertFalse(r.applied)
+
+    def test_dependency_order(self):
+        seen = set()
+        for patch in PATCHES:
+            for dep in patch.after:
+                self.assertIn(dep, seen, f"{patch.name} comes before {dep}")
+            seen.add(patch.name)
+
+
+class TestApplyUnapply(TestCase):
+    apply_patches = False
+
+    def test_round_trip_by_identity(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        before = _snapshot_torch()
+        torch_patches.apply()
+        torch_patches.apply()  # idempotent
+        self.assertTrue(torch_patches.is_applied())
+        for p in PATCHES:
+            replaced = _raw(p)
+            self.assertIsNot(replaced, originals[p.name], p.name)
+            func = getattr(replaced, "__func__", replaced)
+            self.assertEqual(getattr(func, "__torch_patches_patch__", None), p.name)
+        self.assertEqual([r.name for r in torch_patches.status() if r.applied], [p.name for p in PATCHES])
+        torch_patches.unapply()
+        torch_patches.unapply()  # idempotent
+        for p in PATCHES:
+            self.assertIs(_raw(p), originals[p.name], p.name)
+        after = _snapshot_torch()
+        changed = {k for k in before if after.get(k) != before[k]}
+        self.assertEqual(changed, set())
+
+    def test_get_original(self):
+        p = PATCHES[0]
+        original = _raw(p)
+        torch_patches.apply()
+        self.assertIs(torch_patches.get_original(p.name), original)
+        torch_patches.unapply()
+        self.assertIs(torch_patches.get_original(p.name), original)
+
+    def test_aliases_are_rebound_and_restored(self):
+        patch = next(p for p in PATCHES if p.name == "aot.inline_saved_tensors_hooks")
+        original = _raw(patch)
+        early = types.ModuleType("tp_test_early_alias")
+        early.maybe_inline = original  # as if: from graph_compile import maybe_inline_...
+        sys.modules[early.__name__] = early
+        try:
+            torch_patches.apply()
+            self.assertIs(early.maybe_inline, _raw(patch))
+            # A module imported after apply() copies the replacement...
+            late = types.ModuleType("tp_test_late_alias")
+            late.maybe_inline = _raw(patch)
+            sys.modules[late.__name__] = late
+            torch_patches.unapply()
+            # ...and unapply() finds it too.
+            self.assertIs(early.maybe_inline, original)
+            self.assertIs(late.maybe_inline, original)
+        finally:
+            sys.modules.pop("tp_test_early_alias", None)
+            sys.modules.pop("tp_test_late_alias", None)
+
+    def test_import_changes_nothing(self):
+        code = r"""
+import sys, torch
+def snap():
+    return {(n, k): id(v) for n, m in list(sys.modules.items())
+            if m is not None and (n == "torch" or n.startswith("torch."))
+            for k, v in list(vars(m).items())}
+mods = set(sys.modules)
+before = snap()
+import torch_patches, torch_patches.config
+after = snap()
+changed = sorted(k for k in before if after.get(k) != before[k])
+added = sorted(k for k in after if k not in before)
+new_torch_mods = sorted(m for m in set(sys.modules) - mods if m.startswith("torch."))
+print(changed, added, new_torch_mods)
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        self.assertEqual(out.stdout.strip(), "[] [] []", out.stderr)
+
+
+class TestRefusal(TestCase):
+    apply_patches = False
+
+    def _assert_nothing_patched(self, originals):
+        self.assertFalse(torch_patches.is_applied())
+        for p in PATCHES:
+            self.assertIs(_raw(p), originals[p.name], p.name)
+
+    def test_refuses_outside_version_band(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        for version in ("2.10.0", "2.16.0.dev20261101", "3.0.0"):
+            with mock.patch.object(_registry, "torch_version", return_value=version):
+                with self.assertRaises(torch_patches.PatchError) as cm:
+                    torch_patches.apply()
+            msg = str(cm.exception)
+            self.assertIn(f"torch {version}", msg)
+            self.assertIn("nothing was patched", msg)
+            for p in PATCHES:
+                self.assertIn(p.name, msg)
+            self.assertIn("outside the supported band 2.11-2.15", msg)
+            self._assert_nothing_patched(originals)
+
+    def _with_drift(self, name):
+        drifted = [
+            dataclasses.replace(p, fingerprints={"2.13": "0" * 16}) if p.name == name else p
+            for p in PATCHES
+        ]
+        return mock.patch.object(_registry, "_registered", return_value=tuple(drifted))
+
+    def test_refuses_on_fingerprint_drift(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        # The last patch drifts: none of the earlier ones may be applied either.
+        name = PATCHES[-1].name
+        with self._with_drift(name):
+            with self.assertRaises(torch_patches.PatchError) as cm:
+                torch_patches.apply()
+        err = cm.exception
+        self.assertEqual([n for n, _ in err.refusals], [name])
+        self.assertIn("drifted", str(err))
+        self.assertIn(name, str(err))
+        self.assertIn(torch.__version__, str(err))
+        self._assert_nothing_patched(originals)
+
+    def test_drift_can_be_downgraded_to_warning(self):
+        name = PATCHES[0].name
+        with self._with_drift(name), tp_config.patch(fingerprint_drift="warn"):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                torch_patches.apply()
+        try:
+            self.assertTrue(torch_patches.is_applied())
+            self.assertTrue(any(name in str(x.message) and "drift" in str(x.message) for x in w))
+        finally:
+            torch_patches.unapply()
+
+    def test_refuses_when_target_already_replaced(self):
+        patch = PATCHES[0]
+        owner, attr, original = _registry._resolve(patch.target)
+
+        def impostor(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        setattr(owner, attr, impostor)
+        try:
+            with self.assertRaises(torch_patches.PatchError) as cm:
+                torch_patches.apply()
+            self.assertIn("someone else patched it", str(cm.exception))
+            self.assertFalse(torch_patches.is_applied())
+        finally:
+            setattr(owner, attr, original)
+
+    def test_rolls_back_if_install_fails(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        real_install = _registry._Installed.install
+        calls = []
+
+        def flaky(self):
+            calls.append(self.patch.name)
+            if len(calls) == 3:
+                raise RuntimeError("boom")
+            real_install(self)
+
+        with mock.patch.object(_registry._Installed, "install", flaky):
+            with self.assertRaisesRegex(RuntimeError, "boom"):
+                torch_patches.apply()
+        self._assert_nothing_patched(originals)
+
+
+class TestCli(TestCase):
+    apply_patches = False
+
+    def test_status_command(self):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_patches", "status"], capture_output=True, text=True
+        )
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        for p in PATCHES:
+            self.assertIn(p.name, out.stdout)
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_patches", "status", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        records = json.loads(out.stdout)
+        self.assertTrue(all(r["fingerprint_ok"] for r in records))
+
+    def test_demo_command(self):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_patches", "demo", "--device", "cpu"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("# pack(", out.stdout)
+        self.assertIn("# unpack(", out.stdout)
+        for mode in ("no-hooks", "stock-inline", "ours"):
+            self.assertIn(mode, out.stdout)
+
+
+if __name__ == "__main__":
+    run_tests()

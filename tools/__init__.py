@@ -1,0 +1,1 @@
+"""Developer tools for torch_patches (not installed with the package)."""

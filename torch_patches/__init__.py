@@ -1,0 +1,44 @@
+"""torch_patches: saved-tensor hooks as first-class citizens of torch.compile.
+
+    import torch_patches
+    torch_patches.apply()
+
+After :func:`apply`, activation-memory hooks (``torch.autograd.graph.saved_tensors_hooks``)
+are inlined into the compiled forward and backward graphs where the saved tensors are
+used, keyed by content in guards and compile caches, and checked so they never corrupt
+gradients.  See README.md.
+
+Importing this package changes nothing in torch; :func:`apply` patches (all or nothing),
+:func:`unapply` restores every original object by identity.
+"""
+
+from torch_patches._errors import SavedTensorsHookError
+from torch_patches._registry import (
+    Patch,
+    PatchError,
+    PatchStatus,
+    SUPPORTED_TORCH,
+    apply,
+    applied_patches,
+    get_original,
+    is_applied,
+    status,
+    unapply,
+)
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Patch",
+    "PatchError",
+    "PatchStatus",
+    "SUPPORTED_TORCH",
+    "SavedTensorsHookError",
+    "apply",
+    "applied_patches",
+    "get_original",
+    "is_applied",
+    "status",
+    "unapply",
+]

@@ -1,0 +1,841 @@
+"""Inline saved-tensor hooks into the AOT forward and backward graphs, placed at use.
+
+Upstream counterpart: ``maybe_inline_graph_saved_tensors_hooks`` in
+``torch/_functorch/_aot_autograd/graph_compile.py`` (PR #150032).  Upstream retraces pack
+into the forward *epilogue* and unpack into the backward *prologue*; every full-size
+saved tensor then stays alive to the end of the forward and every unpacked tensor is
+materialised at the start of the backward, so nothing is saved unless the backend
+reorders.  This is a fresh implementation with the same calling convention:
+
+* each pack is placed right after its saved tensor's last forward use, and each unpack
+  right before the saved tensor's first backward use (``config.unpack_prefetch_distance``
+  nodes earlier, for reloads that should overlap compute);
+* hooks are traced per saved tensor, functionalized, with the backend's decompositions,
+  so they may read dtype/shape, return tuples, symints and constants;
+* which saved tensors hooks see: upstream's filtering mode (donated / no_static / all)
+  and our dtype policy (``config.hooked_saved_tensor_dtypes``: floating point only by
+  default, so masks and indices are never handed to an activation hook);
+* what unpack returns is checked against the saved tensor (dtype, shape, device; strides
+  are restored in-graph when they differ);
+* all hooks are traced before either graph is touched: a hook that cannot be traced
+  leaves the graphs as they were and either raises (fullgraph, or
+  ``config.untraceable_hook="error"``) or falls back to eager hooks with one warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx, py_sym_types
+
+from torch_patches import _logging as tp_logging, config
+from torch_patches._errors import SavedTensorsHookError
+from torch_patches._functorch._aot_autograd import utils as hook_utils
+
+
+log = logging.getLogger(__name__)
+UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
+
+#: node.meta key on every node we insert: {"role": "pack"|"unpack", "saved": name, "hook": label}
+HOOK_META = "torch_patches_hook"
+
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPair:
+    """The hooks that apply to a group of saved tensors."""
+
+    pack: Callable[..., Any]
+    unpack: Callable[..., Any]
+    label: str  # "ambient", or the in-graph scope's name
+
+    @property
+    def names(self) -> str:
+        return f"pack={hook_utils.hook_name(self.pack)}, unpack={hook_utils.hook_name(self.unpack)}"
+
+
+# --------------------------------------------------------------- compile decisions
+
+_decision = threading.local()
+
+
+def _record_decision(inlined: bool) -> None:
+    # Read by the runtime-wrapper patch of the same compilation, so a graph whose hooks
+    # fell back to eager keeps them enabled at runtime.
+    _decision.value = (hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()), inlined)
+
+
+def take_decision() -> bool | None:
+    """Whether the last compilation in this thread inlined the ambient hooks."""
+    value = getattr(_decision, "value", None)
+    _decision.value = None
+    if value is None:
+        return None
+    key, inlined = value
+    if key != hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()):
+        return None
+    return inlined
+
+
+# ------------------------------------------------------------------- scope lookup
+
+
+def _ambient_pair() -> HookPair | None:
+    hooks = hook_utils.top_saved_tensors_hooks()
+    if not hook_utils.saved_tensors_hooks_are_inlineable(hooks):
+        return None
+    return HookPair(hooks[0], hooks[1], "ambient")
+
+
+def hooks_for_node(node: fx.Node, ambient: HookPair | None) -> HookPair | None:
+    """Hooks of the scope the op that produced ``node`` ran in (eager's rule).
+
+    In-graph scopes (``saved_tensors_hooks`` entered inside the compiled region) are
+    recorded on nodes by the Dynamo patches; everything else takes the hooks active
+    around the compiled call.
+    """
+    from torch_patches._dynamo.variables import ctx_manager as scopes
+
+    scope = scopes.scope_of(node)
+    if scope is scopes.NO_SCOPE:
+        return ambient
+    return scope
+
+
+# ---------------------------------------------------------------------- selection
+
+
+def _is_hookable_dtype(val: torch.Tensor) -> bool:
+    policy = config.hooked_saved_tensor_dtypes
+    if policy == "all":
+        return True
+    if policy != "float":
+        raise ValueError(
+            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
+        )
+    return val.dtype.is_floating_point or val.dtype.is_complex
+
+
+def _filtered_by_mode(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    saved_tensors: list[fx.Node],
+    num_inner_fwd_outputs: int,
+    static_input_indices: list[int],
+) -> set[fx.Node] | None:
+    """Saved tensors upstream's filtering mode allows hooks on (None = all)."""
+    from torch._functorch._aot_autograd import graph_compile as gc, utils as aot_utils
+
+    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
+    if mode == "all":
+        return None
+    if mode == "no_static":
+        placeholders = fw_module.graph.find_nodes(op="placeholder")
+        static = {placeholders[i] for i in static_input_indices}
+        return {n for n in saved_tensors if n not in static}
+    if mode != "donated":
+        raise ValueError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
+    # Donated buffers: saved intermediates that alias no graph input or output, so
+    # packing them really frees their memory.
+    if aot_utils.contain_metadata_mutation_ops(
+        fw_module
+    ) or aot_utils.contain_metadata_mutation_ops(bw_module):
+        return set()
+
+    def vals(nodes: Any) -> list[Any]:
+        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+
+    fw_outs = fw_module.graph.output_node().args[0]
+    bw_outs = bw_module.graph.output_node().args[0]
+    idxs = gc.collect_fw_donated_buffer_idxs(
+        vals(fw_module.graph.find_nodes(op="placeholder")),
+        vals(fw_outs[:num_inner_fwd_outputs]),
+        vals(bw_outs),
+        vals(saved_tensors),
+    )
+    return {saved_tensors[i] for i in idxs}
+
+
+# ------------------------------------------------------------------------ tracing
+
+
+def _dynamo_fullgraph() -> bool:
+    """True when the compilation in progress was asked for one graph."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - not under Dynamo
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+def _describe_trace_error(e: BaseException) -> str:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(e, GuardOnDataDependentSymNode):
+        return "it branches on a tensor's values (data-dependent Python control flow)"
+    if isinstance(e, DataDependentOutputException):
+        return "it reads a tensor's values into Python (.item(), .tolist(), ...)"
+    if isinstance(e, DynamicOutputShapeException):
+        return "it has an output whose shape depends on tensor values"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"tracing it raised {type(e).__name__}: {first}"
+
+
+@dataclasses.dataclass
+class _Traced:
+    gm: fx.GraphModule
+    out_args: Any  # output node args: pytree of fx.Node / constants
+    out_vals: Any  # same structure, with example values
+
+
+def _trace_hook(
+    fn: Callable[..., Any],
+    example: Any,
+    *,
+    aot_config: Any,
+    role: str,
+    pair: HookPair,
+    saved: fx.Node,
+) -> _Traced:
+    """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions."""
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+    from torch._functorch._aot_autograd import graph_compile as gc
+    from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
+
+    flat, spec = pytree.tree_flatten(example)
+
+    def flat_fn(*args: Any) -> Any:
+        return fn(pytree.tree_unflatten(list(args), spec))
+
+    hook = hook_utils.hook_name(fn)
+
+    def fail(reason: str, cause: BaseException | None = None) -> SavedTensorsHookError:
+        err = SavedTensorsHookError(
+            f"{role} hook {hook} cannot be inlined for saved tensor {saved.name!r} "
+            f"({_describe_val(saved.meta.get('val'))}): {reason}",
+            hook=hook,
+            reason=reason,
+        )
+        err.__cause__ = cause
+        return err
+
+    before = _purity_key(fn)
+    try:
+        with (
+            gc._saved_tensor_hook_context(
+                {"_fw_graph": saved.graph, "_bw_graph": None, "_node": saved}
+            ),
+            _disable_saved_tensors_hooks_during_tracing(),
+            _no_side_effects(fn) as effects,
+        ):
+            gm = make_fx(
+                torch.func.functionalize(flat_fn, remove="mutations"),
+                decomposition_table=aot_config.decompositions,
+                record_module_stack=True,
+            )(*flat)
+    except SavedTensorsHookError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every tracing failure is reported
+        raise fail(_describe_trace_error(e), e) from e
+    if effects:
+        raise fail(f"it has side effects ({'; '.join(effects)})")
+    if before is not None and _purity_key(fn) != before:
+        raise fail("it mutates state it captures (a global, closure cell or captured tensor)")
+
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+            raise fail("it mutates its input in place")
+    if contain_metadata_mutation_ops(gm):
+        raise fail("it mutates tensor metadata (set_, resize_, ...)")
+
+    out_args = gm.graph.output_node().args[0]
+    out_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), out_args)
+    for leaf in pytree.tree_leaves(out_vals):
+        if isinstance(leaf, torch.Tensor):
+            from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+            if is_traceable_wrapper_subclass(leaf):
+                raise fail(
+                    "it returns a tensor subclass; return the subclass's inner tensors "
+                    "and rebuild it in unpack"
+                )
+        elif not isinstance(leaf, (*_CONSTANT_TYPES, *py_sym_types)):
+            raise fail(
+                f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
+            )
+    return _Traced(gm, out_args, out_vals)
+
+
+def _purity_key(fn: Any) -> Any:
+    # Plain functions can read (and so mutate) globals and closures; GraphModules cannot.
+    if isinstance(fn, torch.fx.GraphModule):
+        return None
+    try:
+        return hook_utils.content_key(fn)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class _SideEffectProbe:
+    """Records I/O attempted while a hook is traced (print, files, processes, sockets)."""
+
+    _installed = False
+    _active = threading.local()
+    _EVENTS = ("open", "os.", "subprocess.", "socket.", "shutil.", "builtins.input")
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            import sys
+
+            sys.addaudithook(cls._audit)
+            cls._installed = True
+
+    @classmethod
+    def _audit(cls, event: str, args: tuple[Any, ...]) -> None:
+        records = getattr(cls._active, "records", None)
+        if records is None:
+            return
+        if event == "open" and args and isinstance(args[0], str) and args[0].endswith(".py"):
+            return  # imports and source lookups, not the hook's I/O
+        if event.startswith(cls._EVENTS) and not event.startswith("os.listdir"):
+            records.append(event)
+
+
+class _Writes:
+    def __init__(self, name: str, records: list[str]) -> None:
+        self.name, self.records = name, records
+
+    def write(self, s: str) -> int:
+        if s:
+            self.records.append(f"writes to {self.name}")
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@__import__("contextlib").contextmanager
+def _no_side_effects(fn: Any) -> Iterator[list[str]]:
+    """Collect I/O a plain-function hook performs while it is traced."""
+    import sys
+
+    records: list[str] = []
+    if isinstance(fn, torch.fx.GraphModule):
+        yield records
+        return
+    _SideEffectProbe.install()
+    _SideEffectProbe._active.records = records
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Writes("stdout", records), _Writes("stderr", records)
+    try:
+        yield records
+    finally:
+        sys.stdout, sys.stderr = old
+        _SideEffectProbe._active.records = None
+        records[:] = list(dict.fromkeys(records))
+
+
+def _describe_val(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)} on {val.device.type}"
+    return type(val).__name__
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(
+        statically_known_true(sa == sb) or statically_known_true(n <= 1)
+        for sa, sb, n in zip(a.stride(), b.stride(), a.shape)
+    )
+
+
+# --------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass
+class _SavedPlan:
+    saved: fx.Node  # forward output node saved for backward
+    pair: HookPair
+    pack: _Traced
+    unpack: _Traced
+    restride: bool
+
+
+def _unique(graphs: tuple[fx.Graph, ...], candidate: str) -> str:
+    names = set()
+    for g in graphs:
+        names.update(n.name for n in g.nodes)
+    if candidate not in names:
+        return candidate
+    for i in itertools.count():
+        c = f"{candidate}_{i}"
+        if c not in names:
+            return c
+    raise AssertionError("unreachable")
+
+
+def _copy_into(
+    graph: fx.Graph,
+    owner: fx.GraphModule,
+    src: fx.GraphModule,
+    env: dict[fx.Node, Any],
+    names: dict[fx.Node, str],
+    tag: dict[str, str],
+) -> list[fx.Node]:
+    """Copy ``src``'s body (no placeholders/output) at the graph's insert point."""
+    new_nodes = []
+    for node in src.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        target = node.target
+        if node.op == "get_attr":
+            # Constants the hook created (make_fx lifts them onto its module).
+            value = getattr(src, str(node.target))
+            target = _unique((graph,), "_torch_patches_hook_constant")
+            while hasattr(owner, target):
+                target += "_"
+            setattr(owner, target, value)
+        new = graph.create_node(
+            node.op,
+            target,
+            fx.map_arg(node.args, lambda n: env[n]),
+            fx.map_arg(node.kwargs, lambda n: env[n]),
+            name=names.get(node),
+            type_expr=node.type,
+        )
+        new.meta = copy.copy(node.meta)
+        new.meta[HOOK_META] = dict(tag)
+        env[node] = new
+        new_nodes.append(new)
+    return new_nodes
+
+
+def _mutates(user: fx.Node, arg: fx.Node) -> bool:
+    target = user.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+            if value is arg:
+                return True
+    return False
+
+
+def _forward_anchor(saved: fx.Node, order: dict[fx.Node, int], placement: str) -> fx.Node:
+    """The node after which saved's pack goes."""
+    graph = saved.graph
+    output = graph.output_node()
+    if placement == "boundary":
+        return output.prev
+    last_placeholder = graph.find_nodes(op="placeholder")[-1]
+    users = [u for u in saved.users if u is not output]
+    mutations = sorted((u for u in users if _mutates(u, saved)), key=order.__getitem__)
+    if mutations:
+        # Pack the value the backward expects: before anything overwrites it.
+        anchor = mutations[0].prev
+    elif users:
+        anchor = max(users, key=order.__getitem__)
+    else:
+        anchor = saved
+    if order.get(anchor, 0) < order[last_placeholder]:
+        anchor = last_placeholder
+    return anchor
+
+
+def _backward_insert_before(
+    bw_input: fx.Node, order: dict[fx.Node, int], placement: str, prefetch: int
+) -> fx.Node:
+    """The node before which bw_input's unpack goes."""
+    graph = bw_input.graph
+    last_placeholder = graph.find_nodes(op="placeholder")[-1]
+    if placement == "boundary" or not bw_input.users:
+        return last_placeholder.next
+    node = min(bw_input.users, key=order.__getitem__)
+    for _ in range(max(prefetch, 0)):
+        if node.prev is last_placeholder or node.prev.op == "placeholder":
+            break
+        node = node.prev
+    return node
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def maybe_inline_graph_saved_tensors_hooks(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_inner_fwd_outputs: int,
+    inner_meta: Any,
+    aot_config: Any,
+    static_input_indices: list[int],
+) -> None:
+    if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
+        return
+    _decision.value = None
+    ambient = _ambient_pair()
+    try:
+        _inline(
+            fw_module,
+            bw_module,
+            num_inner_fwd_outputs,
+            aot_config,
+            static_input_indices,
+            ambient,
+        )
+    except SavedTensorsHookError as e:
+        if ambient is None or _dynamo_fullgraph() or config.untraceable_hook == "error":
+            raise
+        warnings.warn(
+            f"torch_patches: {e}. Falling back to eager saved-tensors hooks for this "
+            "graph (results stay correct; memory is saved only as eager hooks save it). "
+            "Compile with fullgraph=True to make this an error.",
+            stacklevel=2,
+        )
+        log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
+        _record_decision(inlined=False)
+        return
+    if ambient is not None:
+        _record_decision(inlined=True)
+
+
+def _inline(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_inner_fwd_outputs: int,
+    aot_config: Any,
+    static_input_indices: list[int],
+    ambient: HookPair | None,
+) -> None:
+    fw_g, bw_g = fw_module.graph, bw_module.graph
+    fw_out = fw_g.output_node()
+    fw_outs = list(fw_out.args[0])
+    saved_all = fw_outs[num_inner_fwd_outputs:]
+    bw_inputs = {n.name: n for n in bw_g.find_nodes(op="placeholder")}
+
+    saved_tensors = [
+        n
+        for n in saved_all
+        if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    candidates = [(n, hooks_for_node(n, ambient)) for n in saved_tensors]
+    candidates = [(n, p) for n, p in candidates if p is not None]
+    if not candidates:
+        return
+    allowed = _filtered_by_mode(
+        fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
+    )
+    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+
+    # Phase 1: trace every hook. Nothing is modified until all of them traced.
+    plans: list[_SavedPlan] = []
+    for saved, pair in candidates:
+        val = saved.meta["val"]
+        why = None
+        if allowed is not None and saved not in allowed:
+            why = f"filtered by saved_tensors_hooks_filtering_mode={torch._functorch.config.saved_tensors_hooks_filtering_mode!r}"
+        elif not _is_hookable_dtype(val):
+            why = f"dtype {val.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
+        elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
+            why = "unused by the backward"
+        if why is not None:
+            artifact.debug("saved %s (%s) left unhooked: %s", saved.name, _describe_val(val), why)
+            continue
+        pack = _trace_hook(pair.pack, val, aot_config=aot_config, role="pack", pair=pair, saved=saved)
+        unpack = _trace_hook(
+            pair.unpack, pack.out_vals, aot_config=aot_config, role="unpack", pair=pair, saved=saved
+        )
+        out = unpack.out_vals
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]
+        restride = _check_unpacked(out, val, pair, saved)
+        plans.append(_SavedPlan(saved, pair, pack, unpack, restride))
+    if not plans:
+        return
+
+    # Phase 2: rewrite the graphs.
+    placement = config.hook_placement
+    if placement not in ("use", "boundary"):
+        raise ValueError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
+    fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
+    bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
+    packed_leaves: dict[fx.Node, list[Any]] = {}
+    fw_tail: dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
+    for plan in plans:
+        packed_leaves[plan.saved] = _insert_pack(
+            plan, fw_module, bw_g, fw_order, placement, fw_tail
+        )
+    bw_input_of: dict[fx.Node, fx.Node] = {}
+    for plan in plans:
+        bw_input_of |= _insert_unpack(
+            plan,
+            bw_module,
+            fw_g,
+            bw_inputs[plan.saved.name],
+            packed_leaves[plan.saved],
+            bw_order,
+            placement,
+        )
+    _rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
+    for plan in plans:
+        artifact.debug(
+            "saved %s (%s): %s",
+            plan.saved.name,
+            _describe_val(plan.saved.meta["val"]),
+            plan.pair.names,
+        )
+    fw_g.lint()
+    bw_g.lint()
+    fw_module.recompile()
+    bw_module.recompile()
+    artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
+    artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+def _check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) -> bool:
+    """Validate unpack's output; True if its strides must be restored in-graph."""
+    hook = hook_utils.hook_name(pair.unpack)
+
+    def mismatch(what: str, expected: Any, got: Any) -> SavedTensorsHookError:
+        reason = f"{what} mismatch: expected {expected}, got {got}"
+        return SavedTensorsHookError(
+            f"unpack hook {hook} returned a tensor that does not match saved tensor "
+            f"{saved.name!r}: {reason} (expected {_describe_val(val)}, got {_describe_val(out)})",
+            hook=hook,
+            reason=reason,
+        )
+
+    if not isinstance(out, torch.Tensor):
+        raise SavedTensorsHookError(
+            f"unpack hook {hook} must return one tensor for saved tensor {saved.name!r}, "
+            f"got {type(out).__name__}",
+            hook=hook,
+            reason="unpack must return one tensor",
+        )
+    if not config.validate_unpack:
+        return False
+    if out.dtype != val.dtype:
+        raise mismatch("dtype", val.dtype, out.dtype)
+    if not _same_shape(out, val):
+        raise mismatch("shape", list(val.shape), list(out.shape))
+    if out.device != val.device:
+        raise mismatch("device", val.device, out.device)
+    return not _same_strides(out, val)
+
+
+def _insert_pack(
+    plan: _SavedPlan,
+    fw_module: fx.GraphModule,
+    bw_g: fx.Graph,
+    order: dict[fx.Node, int],
+    placement: str,
+    tail: dict[fx.Node, fx.Node],
+) -> list[Any]:
+    """Insert saved's pack after its last forward use; return the packed leaves."""
+    fw_g = fw_module.graph
+    saved = plan.saved
+    gm = plan.pack.gm
+    (placeholder,) = gm.graph.find_nodes(op="placeholder")
+    out_nodes = [x for x in pytree.tree_leaves(plan.pack.out_args) if isinstance(x, fx.Node)]
+    names = {}
+    for i, n in enumerate(out_nodes):
+        if n is not placeholder and n not in names:
+            suffix = "" if len(out_nodes) == 1 else f"_{i}"
+            names[n] = _unique((fw_g, bw_g), f"{saved.name}_packed{suffix}")
+    anchor = _forward_anchor(saved, order, placement)
+    env: dict[fx.Node, Any] = {placeholder: saved}
+    tag = {"role": "pack", "saved": saved.name, "hook": plan.pair.label}
+    with fw_g.inserting_before(tail.get(anchor, anchor).next):
+        new_nodes = _copy_into(fw_g, fw_module, gm, env, names, tag)
+    if new_nodes:
+        tail[anchor] = new_nodes[-1]
+    leaves = [env[x] if isinstance(x, fx.Node) else x for x in pytree.tree_leaves(plan.pack.out_args)]
+    if saved.meta.get("saved_tensor_with_no_vc_check", False):
+        for leaf in leaves:
+            if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                leaf.meta["saved_tensor_with_no_vc_check"] = True
+    return leaves
+
+
+def _insert_unpack(
+    plan: _SavedPlan,
+    bw_module: fx.GraphModule,
+    fw_g: fx.Graph,
+    bw_input: fx.Node,
+    leaves: list[Any],
+    order: dict[fx.Node, int],
+    placement: str,
+) -> dict[fx.Node, fx.Node]:
+    """Insert saved's unpack before its first backward use.
+
+    Returns forward packed leaf -> the backward input that receives it.
+    """
+    bw_g = bw_module.graph
+    gm = plan.unpack.gm
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(leaves):
+        raise AssertionError(
+            f"unpack graph takes {len(placeholders)} inputs for {len(leaves)} packed leaves"
+        )
+    env: dict[fx.Node, Any] = {}
+    new_inputs: dict[fx.Node, fx.Node] = {}
+    users_before = list(bw_input.users)
+    for ph, leaf in zip(placeholders, leaves):
+        if not isinstance(leaf, fx.Node):
+            env[ph] = leaf  # constants (dtype, python numbers) are baked in
+            continue
+        if leaf is plan.saved:
+            env[ph] = bw_input
+            new_inputs[leaf] = bw_input
+            continue
+        with bw_g.inserting_before(bw_input):
+            new = bw_g.placeholder(leaf.name)  # same name as the forward output
+        new.meta = {k: v for k, v in leaf.meta.items() if k in ("val", "tensor_meta")}
+        if "desc" in bw_input.meta:
+            new.meta["desc"] = bw_input.meta["desc"]
+        env[ph] = new
+        new_inputs[leaf] = new
+    before = _backward_insert_before(bw_input, order, placement, config.unpack_prefetch_distance)
+    tag = {"role": "unpack", "saved": plan.saved.name, "hook": plan.pair.label}
+    out_arg = gm.graph.output_node().args[0]
+    (out_node,) = pytree.tree_leaves(out_arg)
+    names = {out_node: _unique((fw_g, bw_g), f"{plan.saved.name}_unpacked")}
+    with bw_g.inserting_before(before):
+        _copy_into(bw_g, bw_module, gm, env, names, tag)
+        result = env[out_node]
+        if plan.restride:
+            val = plan.saved.meta["val"]
+            empty = bw_g.call_function(
+                torch.ops.aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": val.dtype, "device": val.device},
+            )
+            empty.meta["val"] = val.new_empty_strided(val.shape, val.stride())
+            empty.meta[HOOK_META] = dict(tag)
+            result = bw_g.call_function(torch.ops.aten.copy.default, (empty, result))
+            result.meta["val"] = empty.meta["val"]
+            result.meta[HOOK_META] = dict(tag)
+    for user in users_before:
+        user.replace_input_with(bw_input, result)
+    if not bw_input.users:
+        bw_g.erase_node(bw_input)
+    return new_inputs
+
+
+def _rewire_saved(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_inner_fwd_outputs: int,
+    packed_leaves: dict[fx.Node, list[Any]],
+    bw_input_of: dict[fx.Node, fx.Node],
+) -> None:
+    """Replace hooked saved tensors by their packed leaves in the fw outputs/bw inputs.
+
+    Calling convention kept: forward outputs are (inner outputs, tensors saved with
+    version-counter check, tensors saved without, opaque objects, symints); backward
+    inputs start with (symints, tensors with check, tensors without, opaque objects).
+    """
+    fw_out = fw_module.graph.output_node()
+    outs = list(fw_out.args[0])
+    inner, saved = outs[:num_inner_fwd_outputs], outs[num_inner_fwd_outputs:]
+    t_vc: list[fx.Node] = []
+    t_novc: list[fx.Node] = []
+    opaque: list[Any] = []
+    syms: list[fx.Node] = []
+    new_syms: list[fx.Node] = []
+
+    def place(node: fx.Node) -> None:
+        if is_sym_node(node):
+            syms.append(node)
+        elif isinstance(node.meta.get("val"), torch.Tensor):
+            (t_novc if node.meta.get("saved_tensor_with_no_vc_check", False) else t_vc).append(node)
+        else:
+            opaque.append(node)
+
+    for node in saved:
+        if node in packed_leaves:
+            for leaf in packed_leaves[node]:
+                if not isinstance(leaf, fx.Node):
+                    continue
+                if is_sym_node(leaf):
+                    new_syms.append(leaf)
+                else:
+                    place(leaf)
+        else:
+            place(node)
+    new_saved = t_vc + t_novc + opaque + syms + new_syms
+    desc = fw_out.meta.get("desc")
+    fw_out.args = (tuple(inner + new_saved),)
+    if isinstance(desc, (list, tuple)) and len(desc) == len(outs):
+        fw_out.meta["desc"] = list(desc[:num_inner_fwd_outputs]) + _saved_descs(
+            len(new_saved), len(t_vc), len(t_novc)
+        )
+
+    # Backward inputs in the same order, by name; everything else keeps its place.
+    bw_g = bw_module.graph
+    by_name = {n.name: n for n in bw_g.find_nodes(op="placeholder")}
+    order = [syms + new_syms, t_vc, t_novc, opaque]
+    wanted = [bw_input_of.get(n) or by_name[n.name] for group in order for n in group]
+    if len(wanted) != len(new_saved):
+        raise AssertionError("backward inputs do not match the saved forward outputs")
+    wanted_set = set(wanted)
+    rest = [n for n in bw_g.find_nodes(op="placeholder") if n not in wanted_set]
+    cursor: fx.Node | None = None
+    for node in wanted + rest:
+        if cursor is None:
+            first = next(iter(bw_g.nodes))
+            if first is not node:
+                first.prepend(node)
+        else:
+            cursor.append(node)
+        cursor = node
+
+
+def _saved_descs(n_saved: int, n_vc: int, n_novc: int) -> list[Any]:
+    """Output descriptors for the rebuilt saved section."""
+    from torch._functorch._aot_autograd.descriptors import (
+        SavedForBackwardsAOTOutput,
+        SavedForBackwardsNoVcCheckAOTOutput,
+    )
+
+    return [
+        SavedForBackwardsNoVcCheckAOTOutput(i)
+        if n_vc <= i < n_vc + n_novc
+        else SavedForBackwardsAOTOutput(i)
+        for i in range(n_saved)
+    ]

@@ -1,0 +1,163 @@
+"""What saved-tensors hooks do while a compiled autograd graph runs.
+
+Upstream counterpart: ``_should_disable_saved_tensors_hooks`` /
+``_create_runtime_wrapper`` in ``torch/_functorch/_aot_autograd/runtime_wrappers.py``.
+Upstream decides at wrapper creation whether to disable the ambient hooks, from the
+hooks' *type* alone.  We decide per compiled graph:
+
+* hooks were inlined into this graph -> disable them at runtime (their work is in the
+  graphs; running them again on the packed tensors would be wrong);
+* hooks stay Python hooks (not inlineable, or inlining fell back) -> keep eager
+  semantics, with our hook contract: only floating-point saved tensors reach the
+  user's hooks by default (``config.hooked_saved_tensor_dtypes``), and what unpack
+  returns is checked against the saved tensor (``config.validate_unpack``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from torch_patches import config
+from torch_patches._errors import SavedTensorsHookError
+from torch_patches._functorch._aot_autograd import graph_compile, utils as hook_utils
+
+
+def _should_disable_saved_tensors_hooks() -> bool:
+    """Replacement: upstream's type-based decision is never taken.
+
+    The runtime handling of hooks moved into the ``_create_runtime_wrapper`` wrapper
+    below, which knows whether this graph's hooks were really inlined.
+    """
+    return False
+
+
+# -------------------------------------------------------------------- python hooks
+
+
+class _Unhooked:
+    """A saved tensor the user's hooks must not see (masks, indices...)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        # detach(): the saved object must not own a grad_fn (no reference cycle).
+        self.tensor = tensor.detach()
+
+
+class _Hooked:
+    __slots__ = ("packed", "dtype", "shape", "device")
+
+    def __init__(self, packed: Any, t: torch.Tensor) -> None:
+        self.packed = packed
+        self.dtype, self.shape, self.device = t.dtype, t.shape, t.device
+
+
+def _hookable(t: torch.Tensor) -> bool:
+    policy = config.hooked_saved_tensor_dtypes
+    if policy == "all":
+        return True
+    if policy != "float":
+        raise ValueError(
+            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
+        )
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _describe(dtype: torch.dtype, shape: Any, device: torch.device) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device.type}"
+
+
+def _contract_hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    validate = config.validate_unpack
+
+    def contract_pack(t: torch.Tensor) -> Any:
+        if not _hookable(t):
+            return _Unhooked(t)
+        return _Hooked(pack(t), t)
+
+    def contract_unpack(p: Any) -> torch.Tensor:
+        if isinstance(p, _Unhooked):
+            return p.tensor
+        out = unpack(p.packed)
+        if validate:
+            got = (
+                (out.dtype, out.shape, out.device)
+                if isinstance(out, torch.Tensor)
+                else None
+            )
+            if got != (p.dtype, p.shape, p.device):
+                hook = hook_utils.hook_name(unpack)
+                expected = _describe(p.dtype, p.shape, p.device)
+                found = _describe(*got) if got else type(out).__name__
+                raise SavedTensorsHookError(
+                    f"unpack hook {hook} returned {found} for a saved tensor of "
+                    f"{expected} (hooks run by a compiled graph must give back the "
+                    "saved tensor's dtype, shape and device)",
+                    hook=hook,
+                    reason=f"expected {expected}, got {found}",
+                )
+        return out
+
+    return contract_pack, contract_unpack
+
+
+@contextlib.contextmanager
+def python_hooks_contract() -> Iterator[None]:
+    """Run the ambient Python hooks under the hook contract for one compiled call."""
+    hooks = hook_utils.top_saved_tensors_hooks()
+    if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield
+        return
+    if config.hooked_saved_tensor_dtypes == "all" and not config.validate_unpack:
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):
+        yield
+
+
+def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    """The context a compiled graph runs in, decided when its wrapper is created."""
+    if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
+        return None
+    hooks = hook_utils.top_saved_tensors_hooks()
+    inlined = graph_compile.take_decision()
+    if hooks is None:
+        return None
+    if inlined is None:
+        # No inlining attempt in this thread (a cache hit): inlineable hooks were
+        # inlined, since graphs whose hooks fell back to eager are never cached.
+        inlined = hook_utils.saved_tensors_hooks_are_inlineable(hooks)
+    if inlined:
+        from torch._functorch._aot_autograd import runtime_wrappers
+
+        return runtime_wrappers._disable_saved_tensors_hooks
+    return python_hooks_contract
+
+
+def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap upstream's ``_create_runtime_wrapper`` with the per-graph hook context."""
+
+    @functools.wraps(original)
+    def _create_runtime_wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime_wrapper = original(*args, **kwargs)
+        if not kwargs.get("trace_joint", False):
+            return runtime_wrapper
+        context = _runtime_context()
+        if context is None:
+            return runtime_wrapper
+
+        @functools.wraps(runtime_wrapper)
+        def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
+            with context():
+                return runtime_wrapper(*a, **kw)
+
+        return _runtime_wrapper
+
+    return _create_runtime_wrapper

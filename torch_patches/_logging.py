@@ -1,0 +1,48 @@
+"""Logging through torch._logging.
+
+* ``TORCH_LOGS="+torch_patches"`` (or ``torch._logging.set_logs(modules={"torch_patches":
+  logging.DEBUG})``) shows torch_patches' debug lines: which hooks were inlined or kept
+  eager and why, which saved tensors were left unhooked.
+* ``TORCH_LOGS="torch_patches"`` / ``torch._logging.set_logs(torch_patches=True)``
+  enables the ``torch_patches`` artifact: per saved tensor placements and the forward and
+  backward graphs after inlining.  Artifact loggers live under the upstream module a
+  patch stands in for, as upstream code would log.
+
+The artifact is registered by :func:`torch_patches.apply`, never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ARTIFACT = "torch_patches"
+_DESCRIPTION = (
+    "torch_patches: saved-tensor hook inlining decisions, placements and the "
+    "forward/backward graphs after inlining"
+)
+
+
+def register() -> None:
+    """Register the ``torch_patches`` artifact with torch._logging (idempotent)."""
+    from torch._logging import _internal
+
+    if ARTIFACT in _internal.log_registry.artifact_names:
+        return
+    _internal.register_artifact(ARTIFACT, _DESCRIPTION, off_by_default=True)
+    # TORCH_LOGS is parsed when torch is imported, before this artifact existed.
+    names = {
+        name.strip().lstrip("+-")
+        for name in os.environ.get("TORCH_LOGS", "").split(",")
+        if name.strip()
+    }
+    if ARTIFACT in names:
+        _internal.log_state.enable_artifact(ARTIFACT)
+
+
+def artifact_logger(module_qname: str) -> logging.Logger:
+    """The ``torch_patches`` artifact logger for an (upstream) module name."""
+    import torch._logging
+
+    register()
+    return torch._logging.getArtifactLogger(module_qname, ARTIFACT)

@@ -1,0 +1,113 @@
+"""Every patch torch_patches applies, in dependency (and upstream-stack) order.
+
+Fingerprints (``fingerprints.json``) are of the upstream definitions each patch was
+written against (its target plus ``depends_on``), per torch release.  Record a new
+release's with ``python -m tools.fingerprints --root SITE_PACKAGES --version X.Y --write``
+only after re-reading the upstream change (see CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from torch_patches._registry import Patch
+
+
+_FINGERPRINTS_FILE = os.path.join(os.path.dirname(__file__), "fingerprints.json")
+with open(_FINGERPRINTS_FILE) as _f:
+    _FINGERPRINTS: dict[str, dict[str, str]] = json.load(_f)
+
+
+def _fp(name: str) -> Mapping[str, str]:
+    return dict(_FINGERPRINTS.get(name, {}))
+
+
+PR_150032 = "https://github.com/pytorch/pytorch/pull/150032"
+_BLOB = "https://github.com/pytorch/pytorch/blob/v2.13.0/"
+
+_GC = "torch._functorch._aot_autograd.graph_compile"
+_RW = "torch._functorch._aot_autograd.runtime_wrappers"
+_AU = "torch._functorch._aot_autograd.utils"
+_OG = "torch._dynamo.output_graph"
+_GU = "torch._dynamo.guards"
+_TP = "torch_patches."
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="aot.saved_tensors_hooks_are_inlineable",
+        target=f"{_AU}:saved_tensors_hooks_are_inlineable",
+        replacement=f"{_TP}_functorch._aot_autograd.utils:saved_tensors_hooks_are_inlineable",
+        summary="[aotd] Accept marked plain-function saved tensors hooks as inlineable",
+        upstream=f"{_BLOB}torch/_functorch/_aot_autograd/utils.py",
+        retire_when="upstream accepts traceable non-GraphModule hooks (an opt-in marker)",
+        fingerprints=_fp("aot.saved_tensors_hooks_are_inlineable"),
+        issue=4,
+    ),
+    Patch(
+        name="dynamo.install_saved_tensors_hooks_subgraphs",
+        target=f"{_OG}:OutputGraph.maybe_install_saved_tensors_hooks_subgraphs",
+        replacement=f"{_TP}_dynamo.output_graph:maybe_install_saved_tensors_hooks_subgraphs",
+        summary="[dynamo] Install saved tensors hooks subgraphs by content, log why hooks stay eager",
+        upstream=f"{_BLOB}torch/_dynamo/output_graph.py",
+        retire_when="upstream installs hook subgraphs with their own root and records plain-function hooks",
+        fingerprints=_fp("dynamo.install_saved_tensors_hooks_subgraphs"),
+        depends_on=(f"{_OG}:OutputGraph.install_subgraph",),
+        after=("aot.saved_tensors_hooks_are_inlineable",),
+        issue=4,
+    ),
+    Patch(
+        name="dynamo.guard_saved_tensors_hooks_by_content",
+        target=f"{_GU}:GuardBuilder.AUTOGRAD_SAVED_TENSORS_HOOKS",
+        replacement=f"{_TP}_dynamo.guards:AUTOGRAD_SAVED_TENSORS_HOOKS",
+        summary="[dynamo] Guard saved tensors hooks on content, not id()",
+        upstream=f"{_BLOB}torch/_dynamo/guards.py",
+        retire_when="upstream guards saved tensors hooks by content (recreated identical hooks hit)",
+        fingerprints=_fp("dynamo.guard_saved_tensors_hooks_by_content"),
+        after=("dynamo.install_saved_tensors_hooks_subgraphs",),
+        issue=4,
+    ),
+    Patch(
+        name="aot.inline_saved_tensors_hooks",
+        target=f"{_GC}:maybe_inline_graph_saved_tensors_hooks",
+        replacement=f"{_TP}_functorch._aot_autograd.graph_compile:maybe_inline_graph_saved_tensors_hooks",
+        summary="[aotd] Place inlined saved tensors hooks at use: pack after last fw use, unpack before first bw use",
+        upstream=PR_150032,
+        retire_when="upstream places inlined pack/unpack at the saved tensor's uses (not epilogue/prologue)",
+        fingerprints=_fp("aot.inline_saved_tensors_hooks"),
+        depends_on=(
+            f"{_GC}:_aot_stage2a_partition",
+            f"{_GC}:collect_fw_donated_buffer_idxs",
+            f"{_GC}:_saved_tensor_hook_context",
+            "torch._functorch.partitioners:_extract_fwd_bwd_modules",
+        ),
+        after=("aot.saved_tensors_hooks_are_inlineable",),
+        issue=4,
+    ),
+    Patch(
+        name="aot.runtime_hooks_not_disabled_by_type",
+        target=f"{_RW}:_should_disable_saved_tensors_hooks",
+        replacement=f"{_TP}_functorch._aot_autograd.runtime_wrappers:_should_disable_saved_tensors_hooks",
+        summary="[aotd] Decide runtime saved tensors hooks per compiled graph, not by hook type",
+        upstream=f"{_BLOB}torch/_functorch/_aot_autograd/runtime_wrappers.py",
+        retire_when="upstream records per compiled graph whether its hooks were inlined",
+        fingerprints=_fp("aot.runtime_hooks_not_disabled_by_type"),
+        after=("aot.inline_saved_tensors_hooks",),
+        issue=4,
+    ),
+    Patch(
+        name="aot.runtime_saved_tensors_hooks_context",
+        target=f"{_RW}:_create_runtime_wrapper",
+        replacement=f"{_TP}_functorch._aot_autograd.runtime_wrappers:make_create_runtime_wrapper",
+        wraps=True,
+        summary="[aotd] Disable inlined hooks at runtime; run eager hooks under the hook contract",
+        upstream=f"{_BLOB}torch/_functorch/_aot_autograd/runtime_wrappers.py",
+        retire_when="upstream keeps masks/indices away from eager hooks and validates unpack results",
+        fingerprints=_fp("aot.runtime_saved_tensors_hooks_context"),
+        depends_on=(f"{_RW}:_disable_saved_tensors_hooks",),
+        after=("aot.runtime_hooks_not_disabled_by_type",),
+        issue=9,
+    ),
+)

@@ -1,0 +1,577 @@
+"""The patch registry.
+
+Every torch attribute that torch_patches replaces is described by one :class:`Patch`
+record (see ``_patches.py``): what it replaces, with what, for which torch versions, which
+upstream code it stands in for, when it can be retired, and a fingerprint of the upstream
+function(s) it was written against.
+
+:func:`apply` is transactional: every record is checked first (torch version band,
+target present and still torch's own definition, fingerprint known), and only if all
+pass is anything patched.  :func:`unapply` puts back every original object by identity,
+including copies other modules made with ``from x import f`` (found by scanning
+``sys.modules``, in the spirit of gevent's ``monkey``).
+
+Nothing here runs at import time: resolving a target imports torch internals, which
+only :func:`apply` and :func:`status` do.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import logging
+import re
+import sys
+import textwrap
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+
+log = logging.getLogger(__name__)
+
+#: Oldest and newest torch (major, minor) this project supports.
+SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
+
+_MISSING = object()
+_MARK = "__torch_patches_patch__"
+
+
+class PatchError(RuntimeError):
+    """Raised by :func:`apply` when a patch cannot be applied. Nothing was patched."""
+
+    def __init__(self, torch_version: str, refusals: list[tuple[str, str]]) -> None:
+        self.torch_version = torch_version
+        self.refusals = refusals
+        lines = [
+            f"torch_patches.apply() refused on torch {torch_version}; nothing was patched."
+        ]
+        lines += [f"  patch {name!r}: {reason}" for name, reason in refusals]
+        super().__init__("\n".join(lines))
+
+
+class _Refused(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One replaced torch attribute.
+
+    Attributes:
+        name: short unique name, ``area.what`` (used in errors, logs, status, export).
+        target: ``"module:Qual.name"`` of the torch attribute that is replaced.
+        replacement: ``"module:attr"`` of our object.  With ``wraps=True`` it is a
+            factory called with the original function that returns the replacement.
+        summary: one line, imperative, as an upstream commit title would read.
+        upstream: link to the upstream code/PR this patch changes.
+        retire_when: the condition under which this patch can be deleted.
+        fingerprints: torch version -> fingerprint of the upstream source this patch
+            was written against (see :func:`fingerprint_source`).  The installed
+            torch's fingerprint must be one of the values.
+        depends_on: further ``"module:Qual.name"`` whose source the patch relies on
+            (conventions it reads or functions it calls); they are part of the
+            fingerprint.
+        torch_min / torch_max: inclusive (major, minor) band.
+        after: names of patches this one builds on (order of the upstream stack).
+        issue: the tracker issue that introduced it.
+    """
+
+    name: str
+    target: str
+    replacement: str
+    summary: str
+    upstream: str
+    retire_when: str
+    fingerprints: Mapping[str, str]
+    wraps: bool = False
+    depends_on: tuple[str, ...] = ()
+    torch_min: tuple[int, int] = SUPPORTED_TORCH[0]
+    torch_max: tuple[int, int] = SUPPORTED_TORCH[1]
+    after: tuple[str, ...] = ()
+    issue: int | None = None
+
+    @property
+    def band(self) -> str:
+        return "{}.{}-{}.{}".format(*self.torch_min, *self.torch_max)
+
+    def in_band(self, version: tuple[int, int]) -> bool:
+        return self.torch_min <= version <= self.torch_max
+
+
+@dataclasses.dataclass
+class PatchStatus:
+    """What :func:`status` reports for one patch on the installed torch."""
+
+    name: str
+    target: str
+    band: str
+    in_band: bool
+    applied: bool
+    fingerprint: str | None
+    fingerprint_ok: bool
+    upstream: str
+    retire_when: str
+    summary: str
+    problem: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    m = re.match(r"^(\d+)\.(\d+)", version)
+    if not m:
+        raise ValueError(f"cannot parse torch version {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def torch_version() -> str:
+    """The installed torch's version string (a seam for tests)."""
+    import torch
+
+    return str(torch.__version__)
+
+
+# ------------------------------------------------------------------------ fingerprints
+
+
+class _Normalize(ast.NodeTransformer):
+    """Drop what cannot change behaviour: docstrings and type annotations."""
+
+    def _strip_docstring(self, node: Any) -> None:
+        body = node.body
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+
+    def visit_FunctionDef(self, node: Any) -> Any:
+        self._strip_docstring(node)
+        node.returns = None
+        return self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> Any:
+        self._strip_docstring(node)
+        return self.generic_visit(node)
+
+    def visit_arg(self, node: ast.arg) -> Any:
+        node.annotation = None
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> Any:
+        if node.value is None:
+            return None
+        return ast.Assign(targets=[node.target], value=self.visit(node.value))
+
+
+def _canon(node: Any) -> str:
+    """A serialisation of an AST that is stable across Python versions.
+
+    Fields that are empty or None are skipped, so fields newer Pythons add with empty
+    defaults (``type_params``...) do not change the result.
+    """
+    if isinstance(node, ast.AST):
+        parts = []
+        for field in node._fields:
+            if field == "type_comment":
+                continue
+            value = getattr(node, field, None)
+            if value is None or value == []:
+                continue
+            parts.append(f"{field}={_canon(value)}")
+        return f"{type(node).__name__}({','.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canon(v) for v in node) + "]"
+    return f"{type(node).__name__}:{node!r}"
+
+
+def _def_node(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return node
+    raise ValueError("no function or class definition in source")
+
+
+def fingerprint_source(source: str) -> str:
+    """Fingerprint of the first function/class definition in ``source``.
+
+    Comments, docstrings, type annotations and formatting do not count; everything
+    else in the definition (its body, defaults, decorators) does.
+    """
+    node = _Normalize().visit(_def_node(ast.parse(textwrap.dedent(source))))
+    return hashlib.sha256(_canon(node).encode()).hexdigest()[:16]
+
+
+def find_definition(module_source: str, qualname: str) -> str:
+    """Source text of ``qualname`` (``Class.method`` or ``function``) in a module."""
+    tree = ast.parse(module_source)
+    body: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for part in qualname.split("."):
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.name == part
+            ),
+            None,
+        )
+        if node is None:
+            raise LookupError(f"{qualname} not defined at top level of the module")
+        body = node.body  # type: ignore[attr-defined]
+    lines = module_source.splitlines(keepends=True)
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[union-attr]
+    return "".join(lines[start - 1 : node.end_lineno])  # type: ignore[union-attr]
+
+
+def combine_fingerprints(parts: Iterable[str]) -> str:
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _function_of(raw: Any) -> Any:
+    if isinstance(raw, (staticmethod, classmethod)):
+        return raw.__func__
+    if isinstance(raw, property):
+        return raw.fget
+    return raw
+
+
+def live_fingerprint(targets: Iterable[str]) -> str:
+    """Fingerprint of the live definitions of ``targets`` in the installed torch."""
+    parts = []
+    for target in targets:
+        _, _, raw = _resolve(target)
+        if raw is _MISSING:
+            raise LookupError(f"{target} does not exist")
+        parts.append(fingerprint_source(inspect.getsource(_function_of(raw))))
+    return combine_fingerprints(parts)
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def _split(target: str) -> tuple[str, list[str]]:
+    module_name, _, qual = target.partition(":")
+    if not module_name or not qual:
+        raise ValueError(f"target {target!r} is not of the form 'module:Qual.name'")
+    return module_name, qual.split(".")
+
+
+def _resolve(target: str) -> tuple[Any, str, Any]:
+    """(owner, attribute name, raw value or _MISSING) for a target."""
+    module_name, path = _split(target)
+    owner: Any = importlib.import_module(module_name)
+    for part in path[:-1]:
+        owner = getattr(owner, part)
+    return owner, path[-1], vars(owner).get(path[-1], _MISSING)
+
+
+def _load(spec: str) -> Any:
+    module_name, path = _split(spec)
+    obj: Any = importlib.import_module(module_name)
+    for part in path:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _iter_module_dicts() -> Iterator[tuple[ModuleType, dict[str, Any]]]:
+    for name, module in list(sys.modules.items()):
+        # Our own modules may hold originals on purpose (wrappers); never rebind them.
+        if module is None or name == "torch_patches" or name.startswith("torch_patches."):
+            continue
+        try:
+            d = vars(module)
+        except TypeError:
+            continue
+        yield module, d
+
+
+def _scan_aliases(values: Iterable[Any]) -> dict[int, list[tuple[ModuleType, str]]]:
+    """Every (module, name) in sys.modules that holds one of ``values`` by identity."""
+    wanted = {id(v) for v in values}
+    found: dict[int, list[tuple[ModuleType, str]]] = {i: [] for i in wanted}
+    for module, d in _iter_module_dicts():
+        for name, value in list(d.items()):
+            if id(value) in wanted:
+                found[id(value)].append((module, name))
+    return found
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclasses.dataclass
+class _Installed:
+    patch: Patch
+    owner: Any
+    attr: str
+    original: Any  # raw object from owner.__dict__, or _MISSING
+    replacement: Any  # raw object we put there
+    aliases: list[tuple[ModuleType, str]] = dataclasses.field(default_factory=list)
+
+    def install(self) -> None:
+        setattr(self.owner, self.attr, self.replacement)
+        for module, name in self.aliases:
+            vars(module)[name] = self.replacement
+
+    def uninstall(self) -> None:
+        if self.original is _MISSING:
+            if self.attr in vars(self.owner):
+                delattr(self.owner, self.attr)
+        else:
+            setattr(self.owner, self.attr, self.original)
+        for module, name in self.aliases:
+            if vars(module).get(name) is self.replacement:
+                vars(module)[name] = self.original
+
+
+_LOCK = threading.RLock()
+_INSTALLED: list[_Installed] = []
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _registered() -> tuple[Patch, ...]:
+    from torch_patches._patches import PATCHES
+
+    return PATCHES
+
+
+def _is_torch_definition(raw: Any, target: str) -> bool:
+    fn = _function_of(raw)
+    module_name, path = _split(target)
+    return (
+        getattr(fn, "__module__", None) == module_name
+        and getattr(fn, "__qualname__", None) == ".".join(path)
+        and not hasattr(fn, _MARK)
+    )
+
+
+def check_fingerprint(patch: Patch) -> tuple[str, bool]:
+    fp = live_fingerprint((patch.target, *patch.depends_on))
+    return fp, fp in patch.fingerprints.values()
+
+
+def _plan(patch: Patch, version_str: str) -> _Installed:
+    from torch_patches import config
+
+    version = parse_version(version_str)
+    if not patch.in_band(version):
+        raise _Refused(
+            f"torch {version_str} is outside the supported band {patch.band} "
+            f"(target {patch.target})"
+        )
+    try:
+        owner, attr, raw = _resolve(patch.target)
+    except (ImportError, AttributeError) as e:
+        raise _Refused(f"target {patch.target} cannot be resolved: {e}") from e
+    if raw is _MISSING:
+        raise _Refused(f"target {patch.target} does not exist in torch {version_str}")
+    if not _is_torch_definition(raw, patch.target):
+        fn = _function_of(raw)
+        raise _Refused(
+            f"target {patch.target} is no longer torch's own definition (found "
+            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}); "
+            "someone else patched it"
+        )
+    try:
+        fp, ok = check_fingerprint(patch)
+    except (OSError, LookupError, SyntaxError) as e:
+        raise _Refused(f"cannot fingerprint {patch.target}: {e}") from e
+    if not ok:
+        known = ", ".join(f"{v}={f}" for v, f in sorted(patch.fingerprints.items()))
+        reason = (
+            f"upstream source of {patch.target} drifted: fingerprint {fp} on torch "
+            f"{version_str} matches none recorded ({known}). Re-read the upstream change, "
+            "update the patch, then record the new fingerprint (python -m tools.fingerprints)"
+        )
+        if config.fingerprint_drift != "warn":
+            raise _Refused(reason)
+        warnings.warn(
+            f"torch_patches: applying {patch.name!r} despite drift "
+            f"(config.fingerprint_drift='warn'): {reason}",
+            stacklevel=3,
+        )
+    original_fn = _function_of(raw)
+    try:
+        obj = _load(patch.replacement)
+        new = obj(original_fn) if patch.wraps else obj
+    except Exception as e:
+        raise _Refused(f"replacement {patch.replacement} failed to load: {e!r}") from e
+    if not callable(new):
+        raise _Refused(f"replacement {patch.replacement} is not callable")
+    # Keep marks upstream decorators put on the original (e.g. guard check specs).
+    for key, value in vars(original_fn).items():
+        if key != "__wrapped__" and not hasattr(new, key):
+            setattr(new, key, value)
+    setattr(new, _MARK, patch.name)
+    if isinstance(raw, staticmethod):
+        new = staticmethod(new)
+    elif isinstance(raw, classmethod):
+        new = classmethod(new)
+    return _Installed(patch, owner, attr, raw, new)
+
+
+def apply() -> None:
+    """Apply every registered patch, or none.
+
+    Idempotent.  Raises :class:`PatchError` naming each patch that cannot apply on the
+    installed torch (version band, missing target, fingerprint drift); in that case
+    nothing was patched.
+    """
+    with _LOCK:
+        if _INSTALLED:
+            return
+        version_str = torch_version()
+        plans: list[_Installed] = []
+        refusals: list[tuple[str, str]] = []
+        for patch in _registered():
+            try:
+                plans.append(_plan(patch, version_str))
+            except _Refused as e:
+                refusals.append((patch.name, str(e)))
+        if refusals:
+            raise PatchError(version_str, refusals)
+
+        aliases = _scan_aliases(p.original for p in plans)
+        for plan in plans:
+            plan.aliases = [
+                (m, n)
+                for m, n in aliases[id(plan.original)]
+                if not (m is plan.owner and n == plan.attr)
+            ]
+        done: list[_Installed] = []
+        try:
+            for plan in plans:
+                plan.install()
+                done.append(plan)
+        except BaseException:
+            for plan in reversed(done):
+                plan.uninstall()
+            raise
+        _INSTALLED.extend(done)
+        for plan in done:
+            _ORIGINALS[plan.patch.name] = plan.original
+        from torch_patches import _logging
+
+        _logging.register()
+        log.info(
+            "applied %d patches on torch %s: %s",
+            len(done),
+            version_str,
+            ", ".join(p.patch.name for p in done),
+        )
+
+
+def unapply() -> None:
+    """Restore every patched attribute (and every alias of it) to the original object."""
+    with _LOCK:
+        if not _INSTALLED:
+            return
+        # Modules imported after apply() may have copied a replacement.
+        late = _scan_aliases(p.replacement for p in _INSTALLED)
+        for plan in reversed(_INSTALLED):
+            plan.uninstall()
+            for module, name in late[id(plan.replacement)]:
+                if vars(module).get(name) is plan.replacement:
+                    vars(module)[name] = plan.original
+        _INSTALLED.clear()
+        log.info("unapplied all patches")
+
+
+def is_applied() -> bool:
+    return bool(_INSTALLED)
+
+
+def applied_patches() -> list[str]:
+    return [p.patch.name for p in _INSTALLED]
+
+
+def get_original(name: str) -> Any:
+    """The original torch object a patch replaced (while applied, or after)."""
+    if name in _ORIGINALS:
+        return _function_of(_ORIGINALS[name])
+    patch = next((p for p in _registered() if p.name == name), None)
+    if patch is None:
+        raise KeyError(name)
+    return _function_of(_resolve(patch.target)[2])
+
+
+def status() -> list[PatchStatus]:
+    """One :class:`PatchStatus` per registered patch, for the installed torch."""
+    version_str = torch_version()
+    version = parse_version(version_str)
+    applied = set(applied_patches())
+    out = []
+    for patch in _registered():
+        fp, ok, problem = None, False, None
+        in_band = patch.in_band(version)
+        try:
+            fp, ok = check_fingerprint(patch)
+            if not ok:
+                problem = "fingerprint drift"
+        except Exception as e:  # noqa: BLE001 - report, never raise from status
+            problem = f"cannot fingerprint: {e}"
+        if not in_band:
+            problem = f"torch {version_str} outside {patch.band}"
+        out.append(
+            PatchStatus(
+                name=patch.name,
+                target=patch.target,
+                band=patch.band,
+                in_band=in_band,
+                applied=patch.name in applied,
+                fingerprint=fp,
+                fingerprint_ok=ok,
+                upstream=patch.upstream,
+                retire_when=patch.retire_when,
+                summary=patch.summary,
+                problem=problem,
+            )
+        )
+    return out
+
+
+def validate_records(patches: Iterable[Patch]) -> list[str]:
+    """Problems with the records themselves (used by the meta-tests)."""
+    problems = []
+    names = set()
+    for p in patches:
+        for field in ("name", "target", "replacement", "summary", "upstream", "retire_when"):
+            if not getattr(p, field):
+                problems.append(f"{p.name or '?'}: empty {field}")
+        if p.name in names:
+            problems.append(f"{p.name}: duplicate name")
+        names.add(p.name)
+        if not p.fingerprints:
+            problems.append(f"{p.name}: no fingerprints")
+        if not p.upstream.startswith("https://github.com/pytorch/pytorch"):
+            problems.append(f"{p.name}: upstream link is not a pytorch/pytorch URL")
+        if not (SUPPORTED_TORCH[0] <= p.torch_min <= p.torch_max <= SUPPORTED_TORCH[1]):
+            problems.append(f"{p.name}: band {p.band} outside the supported window")
+        for dep in p.after:
+            if dep not in names:
+                problems.append(f"{p.name}: 'after' names {dep!r}, not an earlier patch")
+        try:
+            _split(p.target)
+            _split(p.replacement)
+        except ValueError as e:
+            problems.append(f"{p.name}: {e}")
+    return problems

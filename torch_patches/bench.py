@@ -1,0 +1,380 @@
+"""Peak-memory and step-time benchmark of saved-tensor hooks under torch.compile.
+
+Every case runs in its own subprocess (fresh compile caches, clean memory accounting),
+and all cases of one invocation are reported side by side, as ratios against the
+no-hooks row of the same model and backend.
+
+Rows (``mode``):
+  no-hooks      the compiled model, no saved-tensor hooks
+  eager-hooks   the same hooks as plain Python functions: they run at runtime on the
+                compiled graph's saved tensors (eager semantics)
+  stock-inline  GraphModule hooks inlined by stock torch (torch_patches not applied)
+  ours          GraphModule hooks inlined by torch_patches (placed at use)
+
+Peak memory: on CUDA ``max_memory_allocated`` above the pre-step base; on CPU the RSS
+high-water mark of one step above the pre-step RSS (``/proc/self/clear_refs`` = 5 resets
+it; workers run with ``MALLOC_MMAP_THRESHOLD_`` fixed so large tensors are mmap-backed
+and freed memory really leaves the RSS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+MODES = ("no-hooks", "eager-hooks", "stock-inline", "ours")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str = "mlp8"
+    backend: str = "aot_eager"
+    hook: str = "bf16"
+    mode: str = "ours"
+    device: str = "cpu"
+    batch: int = 2048
+    dim: int = 128
+    blocks: int = 8
+    steps: int = 5
+    reorder_for_peak_memory: bool = True
+
+    @property
+    def label(self) -> str:
+        hook = "-" if self.mode == "no-hooks" else self.hook
+        return f"{self.model} {self.backend} {hook} {self.mode}"
+
+
+# ---------------------------------------------------------------------- models
+
+
+def build_model(case: Case) -> Any:
+    import torch
+
+    d = case.dim
+
+    class Block(torch.nn.Module):
+        # A thin MLP block whose saved activations dominate memory (as in
+        # shared/probes/gpu_peakmem.py).
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(d, 2 * d, bias=False)
+            self.down = torch.nn.Linear(2 * d, d, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            h = self.up(x)
+            h = torch.nn.functional.gelu(h) * h.sigmoid()
+            return x + self.down(h)
+
+    class TransformerBlock(torch.nn.Module):
+        def __init__(self, heads: int = 4) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1 = torch.nn.LayerNorm(d)
+            self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+            self.proj = torch.nn.Linear(d, d, bias=False)
+            self.norm2 = torch.nn.LayerNorm(d)
+            self.mlp = Block()
+
+        def forward(self, x: Any) -> Any:
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp(self.norm2(x))
+
+    if case.model == "mlp8":
+        return torch.nn.Sequential(*[Block() for _ in range(case.blocks)])
+    if case.model == "transformer":
+        return torch.nn.Sequential(*[TransformerBlock() for _ in range(case.blocks)])
+    raise ValueError(f"unknown model {case.model!r}")
+
+
+def example_input(case: Case) -> Any:
+    import torch
+
+    if case.model == "transformer":
+        seq = 128
+        return torch.randn(max(case.batch // seq, 1), seq, case.dim, device=case.device)
+    return torch.randn(case.batch, case.dim, device=case.device)
+
+
+# ----------------------------------------------------------------------- hooks
+
+
+def _cast_hooks(dtype: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    def pack(x: Any) -> Any:
+        return (x.dtype, x.to(dtype))
+
+    def unpack(packed: Any) -> Any:
+        orig_dtype, t = packed
+        return t.to(orig_dtype)
+
+    return pack, unpack
+
+
+def make_hooks(case: Case) -> tuple[Any, Any] | None:
+    import torch
+    import torch.fx
+
+    if case.mode == "no-hooks":
+        return None
+    if case.hook == "bf16":
+        pack, unpack = _cast_hooks(torch.bfloat16)
+    elif case.hook == "fp8":
+        pack, unpack = _cast_hooks(torch.float8_e4m3fn)
+    else:
+        raise ValueError(f"unknown hook {case.hook!r}")
+    if case.mode == "eager-hooks":
+        return pack, unpack
+    return torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Measure one case in this process."""
+    import contextlib
+    import gc
+
+    import torch
+    import torch._dynamo.testing
+
+    import torch_patches
+
+    if case.mode == "ours":
+        torch_patches.apply()
+    else:
+        torch_patches.unapply()
+    torch.manual_seed(0)
+    model = build_model(case).to(case.device)
+    x = example_input(case).requires_grad_(True)
+    hooks = make_hooks(case)
+    inductor_cfg = contextlib.nullcontext()
+    if case.backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        inductor_cfg = inductor_config.patch(reorder_for_peak_memory=case.reorder_for_peak_memory)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(case.backend)
+    fn = torch.compile(model, backend=counter) if case.backend != "eager" else model
+
+    def step() -> None:
+        ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        with ctx:
+            y = fn(x)
+        y.sum().backward()
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    cuda = case.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with inductor_cfg:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        compile_s = time.perf_counter() - t0
+        step()
+        sync()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            base = _proc_status("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        step()
+        sync()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            peak = _proc_status("VmHWM") - base
+        times = []
+        for _ in range(case.steps):
+            t = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t)
+    return {
+        "case": dataclasses.asdict(case),
+        "label": case.label,
+        "peak_bytes": peak,
+        "step_s": statistics.median(times),
+        "compile_s": compile_s,
+        "frames_compiled": counter.frame_count if case.backend != "eager" else 0,
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+
+
+def run_in_subprocess(case: Case, timeout: float = 900) -> dict[str, Any]:
+    env = dict(os.environ)
+    # Fixed mmap threshold: large tensors are mmap-backed and their memory really
+    # leaves the RSS when freed (glibc's dynamic threshold would keep it).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_patches.bench", "--worker", json.dumps(dataclasses.asdict(case))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        return {"case": dataclasses.asdict(case), "label": case.label, "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cases_for(
+    *,
+    models: Iterable[str],
+    backends: Iterable[str],
+    hooks: Iterable[str],
+    modes: Iterable[str] = MODES,
+    **common: Any,
+) -> list[Case]:
+    out = []
+    for model in models:
+        for backend in backends:
+            out.append(Case(model=model, backend=backend, mode="no-hooks", **common))
+            for hook in hooks:
+                for mode in modes:
+                    if mode != "no-hooks":
+                        out.append(Case(model=model, backend=backend, hook=hook, mode=mode, **common))
+    return out
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    base = {}
+    for r in results:
+        c = r["case"]
+        if c["mode"] == "no-hooks" and "error" not in r:
+            base[(c["model"], c["backend"])] = r
+    for r in results:
+        b = base.get((r["case"]["model"], r["case"]["backend"]))
+        if b is None or "error" in r:
+            continue
+        r["peak_ratio"] = r["peak_bytes"] / max(b["peak_bytes"], 1)
+        r["time_ratio"] = r["step_s"] / b["step_s"]
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    header = f"{'model':12s} {'backend':9s} {'hook':12s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} {'step ms':>9s} {'time x':>7s} {'frames':>6s}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        c = r["case"]
+        hook = "-" if c["mode"] == "no-hooks" else c["hook"]
+        if "error" in r:
+            lines.append(f"{c['model']:12s} {c['backend']:9s} {hook:12s} {c['mode']:13s} ERROR {r['error']}")
+            continue
+        lines.append(
+            f"{c['model']:12s} {c['backend']:9s} {hook:12s} {c['mode']:13s} "
+            f"{r['peak_bytes'] / 2**20:9.1f} {r.get('peak_ratio', float('nan')):7.2f} "
+            f"{r['step_s'] * 1e3:9.1f} {r.get('time_ratio', float('nan')):7.2f} {r['frames_compiled']:6d}"
+        )
+    return "\n".join(lines)
+
+
+def run_all(cases: list[Case], *, progress: bool = True) -> list[dict[str, Any]]:
+    results = []
+    start = time.perf_counter()
+    for i, case in enumerate(cases):
+        if progress:
+            done = int(20 * i / len(cases))
+            print(
+                f"\r[{'#' * done}{'.' * (20 - done)}] {i}/{len(cases)} {case.label:50s} "
+                f"{time.perf_counter() - start:6.0f}s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        results.append(run_in_subprocess(case))
+    if progress:
+        print(f"\r[{'#' * 20}] {len(cases)}/{len(cases)} done in {time.perf_counter() - start:.0f}s" + " " * 50, file=sys.stderr)
+    add_ratios(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m torch_patches bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="mlp8", help="comma list: mlp8, transformer")
+    parser.add_argument("--backends", default="aot_eager,inductor")
+    parser.add_argument("--hooks", default="bf16,fp8", help="bf16, fp8, or torch_patches.hooks names")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--no-reorder", action="store_true", help="inductor: reorder_for_peak_memory=False")
+    parser.add_argument("--small", action="store_true", help="tiny sizes (CI smoke run)")
+    parser.add_argument("--json", default="bench-results/bench.json", help="where to write results")
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        result = run_case(Case(**json.loads(args.worker)))
+        print(json.dumps(result))
+        return 0
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        batch, dim = 8192, 4096
+    else:
+        batch, dim = 2048, 128
+    if args.small:
+        batch, dim = 256, 32
+    common = dict(
+        device=device,
+        batch=args.batch or batch,
+        dim=args.dim or dim,
+        blocks=args.blocks,
+        steps=args.steps,
+        reorder_for_peak_memory=not args.no_reorder,
+    )
+    cases = cases_for(
+        models=args.models.split(","),
+        backends=args.backends.split(","),
+        hooks=args.hooks.split(","),
+        modes=args.modes.split(","),
+        **common,
+    )
+    results = run_all(cases)
+    table = format_table(results)
+    print(f"torch {torch.__version__}, device {device}, batch {common['batch']}, dim {common['dim']}, blocks {args.blocks}")
+    print(table)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"common": common, "results": results}, f, indent=2)
+    print(f"results written to {args.json}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Knobs for torch_patches, in torch's config-module style.
+
+Use like any torch config module::
+
+    import torch_patches.config as tp_config
+
+    tp_config.unpack_prefetch_distance = 2            # global
+    with tp_config.patch(hooked_saved_tensor_dtypes="all"):   # scoped (tests)
+        ...
+
+Knobs that compile-time decisions read are part of the AOTAutograd cache key (see
+``torch_patches/_functorch/_aot_autograd/autograd_cache.py``).
+"""
+
+import sys
+
+from torch.utils._config_module import Config, install_config_module
+
+
+# What apply() does when the upstream function a patch was written against no longer
+# matches its recorded fingerprint. "error" (default): refuse, patch nothing.
+# "warn": apply anyway and warn once per patch -- for experiments on new torch builds.
+fingerprint_drift: str = Config(
+    default="error", env_name_force="TORCH_PATCHES_FINGERPRINT_DRIFT"
+)
+
+# Where inlined saved-tensor hooks are placed in the AOT graphs.
+#  "use" (default): each pack right after its saved tensor's last forward use, each
+#      unpack right before the saved tensor's first backward use, so the full-size
+#      tensor is freed early in the forward and materialised late in the backward.
+#  "boundary": upstream's placement (all packs at the forward epilogue, all unpacks at
+#      the backward prologue). Kept for comparison and benchmarks.
+hook_placement: str = "use"
+
+# How many backward nodes before its first use an unpack is issued (0 = right before).
+# A distance > 0 lets a reload (CPU offload) overlap with the compute before it.
+unpack_prefetch_distance: int = 0
+
+# Which saved tensors user hooks see, inlined or not.
+#  "float" (default): floating-point (and complex) saved tensors only. Masks, indices
+#      and other integer/bool tensors are saved as they are; the compiler's partitioner
+#      saves such tensors where eager autograd would not, and a hook written for
+#      activations (x * 2, x.to(bf16)...) would silently corrupt them.
+#  "all": every saved tensor, as eager autograd would pass them.
+hooked_saved_tensor_dtypes: str = "float"
+
+# Check that what unpack returns has the saved tensor's dtype, shape and device (and
+# strides, for inlined hooks). A mismatch is an error naming the hook and the tensor.
+validate_unpack: bool = True
+
+# When a hook cannot be inlined (untraceable) and the compile is not fullgraph:
+#  "warn" (default): keep eager hook semantics for that graph, with one warning.
+#  "error": raise, as under fullgraph=True.
+untraceable_hook: str = "warn"
+
+
+install_config_module(sys.modules[__name__])

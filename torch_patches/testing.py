@@ -1,0 +1,206 @@
+"""Test harness for torch_patches, in the style of PyTorch's own compiler tests.
+
+* :class:`TestCase` resets Dynamo and its counters around every test (it is a
+  ``torch._dynamo.test_case.TestCase``) and applies torch_patches for the test's
+  duration (``apply_patches = False`` for tests of stock behaviour).
+* :class:`AotEagerAndRecordGraphs` / :class:`InductorAndRecordGraphs` are backends that
+  record the AOT forward and backward graphs (after hook inlining) on the aot_eager and
+  inductor paths.
+* :func:`normalize_graph` turns a graph into stable golden text (comments, file paths
+  and device indices removed; optional ``# <- pack(x)`` marks on hook nodes), for
+  ``assertExpectedInline``.  Regenerate goldens with ``EXPECTTEST_ACCEPT=1``.
+* :data:`TORCH_VERSION` for per-version goldens; :func:`instantiate_device_type_tests`
+  parametrises over CPU (always) and CUDA (when present).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch._dynamo.test_case
+import torch._dynamo.testing
+import torch.fx as fx
+from torch.testing._internal.common_device_type import (
+    instantiate_device_type_tests as _instantiate_device_type_tests,
+)
+
+import torch_patches
+from torch_patches._registry import parse_version
+
+
+#: (major, minor) of the installed torch, for per-version goldens.
+TORCH_VERSION: tuple[int, int] = parse_version(torch.__version__)
+
+HAS_CUDA = torch.cuda.is_available()
+
+__all__ = [
+    "AotEagerAndRecordGraphs",
+    "HAS_CUDA",
+    "InductorAndRecordGraphs",
+    "TORCH_VERSION",
+    "TestCase",
+    "hook_nodes",
+    "instantiate_device_type_tests",
+    "normalize_graph",
+]
+
+
+class TestCase(torch._dynamo.test_case.TestCase):
+    """Dynamo-resetting test case that runs each test with torch_patches applied."""
+
+    apply_patches = True
+
+    def setUp(self) -> None:
+        super().setUp()
+        if self.apply_patches:
+            torch_patches.apply()
+            self.addCleanup(torch_patches.unapply)
+        else:
+            torch_patches.unapply()
+
+    def assertExpectedInline(  # noqa: N802
+        self, actual: Any, expect: str, skip: int = 0, **kwargs: Any
+    ) -> None:
+        # Dynamo's TestCase adds a frame without adjusting ``skip``, which makes
+        # EXPECTTEST_ACCEPT=1 rewrite the wrong file; call PyTorch's directly.
+        from torch.testing._internal.common_utils import TestCase as TorchTestCase
+
+        TorchTestCase.assertExpectedInline(self, actual, expect, skip=skip + 1, **kwargs)
+
+    def assertExpectedGraph(  # noqa: N802 - unittest naming
+        self, gm: fx.GraphModule, expect: str, *, mark_hooks: bool = True, skip: int = 0
+    ) -> None:
+        """``assertExpectedInline`` on :func:`normalize_graph` of ``gm``."""
+        self.assertExpectedInline(
+            normalize_graph(gm, mark_hooks=mark_hooks), expect, skip=skip + 1
+        )
+
+    def assertGradsEqual(  # noqa: N802
+        self,
+        actual: Iterable[torch.Tensor | None],
+        expected: Iterable[torch.Tensor | None],
+        *,
+        exact: bool = False,
+        **tolerances: Any,
+    ) -> None:
+        """Gradients equal: bit-exact with ``exact=True``, else assertEqual tolerances."""
+        actual, expected = list(actual), list(expected)
+        self.assertEqual(len(actual), len(expected))
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            if a is None or e is None:
+                self.assertIs(a, e, msg=f"gradient {i}")
+            elif exact:
+                self.assertTrue(
+                    torch.equal(a, e),
+                    msg=f"gradient {i} differs: max abs diff {(a - e).abs().max().item()}",
+                )
+            else:
+                self.assertEqual(a, e, msg=f"gradient {i}", **tolerances)
+
+
+# ------------------------------------------------------------------ graph capture
+
+
+class AotEagerAndRecordGraphs:
+    """aot_eager backend that records the Dynamo graph and the AOT fw/bw graphs."""
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.GraphModule] = []
+        self.fw_graphs: list[fx.GraphModule] = []
+        self.bw_graphs: list[fx.GraphModule] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs.append(gm)
+
+        def fw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
+            self.fw_graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        def bw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
+            self.bw_graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+
+
+class InductorAndRecordGraphs:
+    """inductor backend that records the AOT fw/bw graphs Inductor is given.
+
+    ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.GraphModule] = []
+        self.fw_graphs: list[fx.GraphModule] = []
+        self.bw_graphs: list[fx.GraphModule] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        self.graphs.append(gm)
+
+        def inner_compile(g: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+            copy = fx.GraphModule(g, _copy_graph(g.graph))
+            (self.bw_graphs if kwargs.get("is_backward") else self.fw_graphs).append(copy)
+            return compile_fx_inner(g, inputs, **kwargs)
+
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = new.graph_copy(graph, env)
+    new.output(out)
+    for old, copied in env.items():
+        copied.meta = dict(old.meta)
+    return new
+
+
+# ---------------------------------------------------------------- normalisation
+
+_DEVICE_RE = re.compile(r"device\(type='(cpu|cuda)'(, index=\d+)?\)")
+_DEVICE_STR_RE = re.compile(r"device = '(cpu|cuda)(:\d+)?'")
+
+
+def hook_nodes(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
+    """name -> {"role", "saved", "hook"} for every node an inliner inserted."""
+    from torch_patches._functorch._aot_autograd.graph_compile import HOOK_META
+
+    return {n.name: n.meta[HOOK_META] for n in gm.graph.nodes if HOOK_META in n.meta}
+
+
+def normalize_graph(gm: fx.GraphModule, *, mark_hooks: bool = True) -> str:
+    """Stable text of a graph module for goldens.
+
+    Comments and blank lines (file paths, stack traces) are dropped, device types and indices are
+    replaced by ``DEVICE``, and with ``mark_hooks`` every node the inliner inserted ends
+    with ``# pack(saved)`` / ``# unpack(saved)``.
+    """
+    text = torch._dynamo.testing.normalize_gm(gm.print_readable(print_output=False))
+    # Blank lines separate nodes with different stack traces: noise for goldens.
+    text = "\n".join(line for line in text.splitlines() if line.strip())
+    text = _DEVICE_RE.sub("device(type='DEVICE')", text)
+    text = _DEVICE_STR_RE.sub("device = 'DEVICE'", text)
+    if not mark_hooks:
+        return text
+    marks = hook_nodes(gm)
+    lines = []
+    for line in text.splitlines():
+        m = re.match(r"\s+(\w+)(?::| =)", line)
+        if m and m.group(1) in marks:
+            info = marks[m.group(1)]
+            line = f"{line}  # {info['role']}({info['saved']})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def instantiate_device_type_tests(cls: type, scope: dict[str, Any]) -> None:
+    """Generate ``<cls>CPU`` (always) and ``<cls>CUDA`` (when present) test classes."""
+    _instantiate_device_type_tests(cls, scope, only_for=("cpu", "cuda"))
