@@ -5,7 +5,9 @@ Things to note when reading the goldens:
   there (``x = None``) and only the packed tensor is returned for the backward;
 * a ``# unpack(x)`` node sits right before the first backward node that reads ``x``;
 * by default (filtering mode "donated") inputs, parameters and their views are not
-  hooked: packing them would free nothing.
+  hooked: packing them would free nothing;
+* the partitioner often saves both ``x`` and ``detach(x)``; only ``x`` is packed, and the
+  backward's ``detach`` reads ``x``'s unpacked tensor (one compressed copy, not two).
 """
 
 import torch
@@ -46,11 +48,10 @@ class GraphModule(torch.nn.Module):
         t: "f32[8, 16]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_2, t)
         relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu)
-        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
         sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
         relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
-        return (sin, primals_2, t, relu_packed, detach_packed)""")
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (sin, primals_2, relu_packed, t_3)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
@@ -58,42 +59,39 @@ class GraphModule(torch.nn.Module):
         t: "f32[8, 16]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, t)
         relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu)
-        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
         sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
         relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
-        return (sin, primals_1, t, relu_packed, detach_packed)""")
+        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (sin, primals_1, relu_packed, t_3)""")
         if TORCH_VERSION >= (2, 15):
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_2: "f32[4, 8]", t: "f32[8, 16]", relu_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", tangents_1: "f32[4, 16]"):
+    def forward(self, primals_2: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
         relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
-        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked);  relu_unpacked = None
+        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked)
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
-        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
         threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
         t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
         mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_2);  t_1 = primals_2 = None
         t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
-        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
         t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
         return (t_4, mm_2)""")
         else:
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 16]", relu_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", tangents_1: "f32[4, 16]"):
+    def forward(self, primals_1: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
         relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
-        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked);  relu_unpacked = None
+        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked)
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
-        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
         threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
         t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
         mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
         t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
-        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
         t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
         return (mm_2, t_4)""")
@@ -117,16 +115,15 @@ class GraphModule(torch.nn.Module):
         gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
         sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
         mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid)
-        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
-        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid)
-        gelu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(gelu, dtype = torch.bfloat16);  gelu = None  # pack(gelu)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid);  gelu = None
         sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
         t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
         mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, mm_1);  mm_1 = None
-        return (add, primals_3, t, mm_packed, gelu_packed, sigmoid_packed, detach_packed, mul_packed, t_1)""")
+        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (add, primals_3, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
@@ -136,41 +133,38 @@ class GraphModule(torch.nn.Module):
         gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
         sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
         mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid)
-        detach_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
-        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid)
-        gelu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(gelu, dtype = torch.bfloat16);  gelu = None  # pack(gelu)
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid);  gelu = None
         sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
         t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
         mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, mm_1);  mm_1 = None
-        return (add, primals_1, t, mm_packed, gelu_packed, sigmoid_packed, detach_packed, mul_packed, t_1)""")
+        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (add, primals_1, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
         if TORCH_VERSION >= (2, 15):
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "f32[4, 8]", t: "f32[8, 16]", mm_packed: "bf16[4, 16]", gelu_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_1: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_3: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
         t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
         mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
         mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
         t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
-        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
         mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
         t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
-        gelu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(gelu_packed, dtype = torch.float32);  gelu_packed = None  # unpack(gelu)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu_unpacked);  gelu_unpacked = None
-        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
-        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = sigmoid_unpacked = None
-        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
-        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
         mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
+        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm_unpacked)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu);  gelu = None
+        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid_unpacked);  sigmoid_unpacked = None
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
+        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
         gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
         add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
         t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
         mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
         t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
-        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
         t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
@@ -178,28 +172,26 @@ class GraphModule(torch.nn.Module):
         else:
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 16]", mm_packed: "bf16[4, 16]", gelu_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", detach_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_1: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_1: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
         t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
         mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
         mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
         t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
-        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
         mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
         t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
-        gelu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(gelu_packed, dtype = torch.float32);  gelu_packed = None  # unpack(gelu)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu_unpacked);  gelu_unpacked = None
-        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
-        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = sigmoid_unpacked = None
-        detach_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
-        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
         mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
+        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm_unpacked)
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu);  gelu = None
+        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = None
+        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid_unpacked);  sigmoid_unpacked = None
+        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
+        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
         gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
         add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
         t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
         mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_1);  t_6 = primals_1 = None
         t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
-        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
         t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
@@ -222,23 +214,29 @@ class GraphModule(torch.nn.Module):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_4, t)
         tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
-        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_4, tanh);  tanh = None
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
         tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
-        detach_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.bfloat16);  detach_1 = None  # pack(detach_1)
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
         add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
         t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
         tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
         detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
-        detach_2_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_2, dtype = torch.bfloat16);  detach_2 = None  # pack(detach_2)
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, tanh_2);  tanh_2 = None
         add_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add_1, dtype = torch.bfloat16);  add_1 = None  # pack(add_1)
-        return (add_2, primals_4, t, detach_packed, add_packed, t_1, detach_1_packed, add_1_packed, t_2, detach_2_packed)""")
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+        detach_3_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_3, dtype = torch.bfloat16);  detach_3 = None  # pack(detach_3)
+        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+        detach_4_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_4, dtype = torch.bfloat16);  detach_4 = None  # pack(detach_4)
+        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
+        detach_5_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_5, dtype = torch.bfloat16);  detach_5 = None  # pack(detach_5)
+        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (add_2, primals_4, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
@@ -247,56 +245,56 @@ class GraphModule(torch.nn.Module):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, t)
         tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
-        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, tanh);  tanh = None
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
         tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
-        detach_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.bfloat16);  detach_1 = None  # pack(detach_1)
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
         add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
         t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_4);  primals_4 = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
         tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
         detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
-        detach_2_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_2, dtype = torch.bfloat16);  detach_2 = None  # pack(detach_2)
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, tanh_2);  tanh_2 = None
         add_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add_1, dtype = torch.bfloat16);  add_1 = None  # pack(add_1)
-        return (add_2, primals_1, t, detach_packed, add_packed, t_1, detach_1_packed, add_1_packed, t_2, detach_2_packed)""")
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+        detach_3_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_3, dtype = torch.bfloat16);  detach_3 = None  # pack(detach_3)
+        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+        detach_4_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_4, dtype = torch.bfloat16);  detach_4 = None  # pack(detach_4)
+        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
+        detach_5_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_5, dtype = torch.bfloat16);  detach_5 = None  # pack(detach_5)
+        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
+        return (add_2, primals_1, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
         if TORCH_VERSION >= (2, 15):
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_4: "f32[4, 8]", t: "f32[8, 8]", detach_packed: "bf16[4, 8]", add_packed: "bf16[4, 8]", t_1: "f32[8, 8]", detach_1_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", t_2: "f32[8, 8]", detach_2_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
-        detach_2_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_2_packed, dtype = torch.float32);  detach_2_packed = None  # unpack(detach_2)
-        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2_unpacked);  detach_2_unpacked = None
-        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3);  detach_3 = None
+    def forward(self, primals_4: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+        detach_3_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_3_packed, dtype = torch.float32);  detach_3_packed = None  # unpack(detach_3)
+        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3_unpacked);  detach_3_unpacked = None
         t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
         add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
         mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
         t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
-        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
         mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
         add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
         t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
-        detach_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
-        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1_unpacked);  detach_1_unpacked = None
-        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4);  detach_4 = None
+        detach_4_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_4_packed, dtype = torch.float32);  detach_4_packed = None  # unpack(detach_4)
+        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4_unpacked);  detach_4_unpacked = None
         t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
         add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
         mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
         t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
-        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
         mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
         add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
         t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
-        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5);  detach_5 = None
+        detach_5_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_5_packed, dtype = torch.float32);  detach_5_packed = None  # unpack(detach_5)
+        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5_unpacked);  detach_5_unpacked = None
         t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
         mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_4);  t_11 = primals_4 = None
         t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
-        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
         add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
         t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
@@ -304,36 +302,30 @@ class GraphModule(torch.nn.Module):
         else:
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", t: "f32[8, 8]", detach_packed: "bf16[4, 8]", add_packed: "bf16[4, 8]", t_1: "f32[8, 8]", detach_1_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", t_2: "f32[8, 8]", detach_2_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
-        detach_2_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_2_packed, dtype = torch.float32);  detach_2_packed = None  # unpack(detach_2)
-        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2_unpacked);  detach_2_unpacked = None
-        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3);  detach_3 = None
+    def forward(self, primals_1: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+        detach_3_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_3_packed, dtype = torch.float32);  detach_3_packed = None  # unpack(detach_3)
+        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3_unpacked);  detach_3_unpacked = None
         t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
         add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
         mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
         t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
-        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
         mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
         add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
         t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
-        detach_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
-        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1_unpacked);  detach_1_unpacked = None
-        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4);  detach_4 = None
+        detach_4_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_4_packed, dtype = torch.float32);  detach_4_packed = None  # unpack(detach_4)
+        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4_unpacked);  detach_4_unpacked = None
         t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
         add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
         mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
         t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
-        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
         mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
         add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
         t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
-        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5);  detach_5 = None
+        detach_5_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_5_packed, dtype = torch.float32);  detach_5_packed = None  # unpack(detach_5)
+        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5_unpacked);  detach_5_unpacked = None
         t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
         mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
         t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
-        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
         mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
         add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
         t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
@@ -348,20 +340,18 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
-        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
-        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        return (cos, primals_1, exp_packed, detach_packed)""")
+        return (cos, primals_1, exp_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
-        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
@@ -375,24 +365,20 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
-        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
-        view_default_1: "f32[32]" = torch.ops.aten.view.default(detach, [-1]);  detach = None  # pack(detach)
-        detach_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         view_default: "f32[32]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_1, exp_packed, detach_packed)""")
+        return (cos, primals_1, exp_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "f32[32]", detach_packed: "f32[32]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "f32[32]", tangents_1: "f32[4, 8]"):
         div_tensor: "f32[32]" = torch.ops.aten.div.Tensor(exp_packed, 2);  exp_packed = None  # unpack(exp)
         exp_unpacked: "f32[4, 8]" = torch.ops.aten.view.default(div_tensor, [4, 8]);  div_tensor = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        div_tensor_1: "f32[32]" = torch.ops.aten.div.Tensor(detach_packed, 2);  detach_packed = None  # unpack(detach)
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten.view.default(div_tensor_1, [4, 8]);  div_tensor_1 = None  # unpack(detach)
-        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
@@ -409,46 +395,35 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[s77, s27]", primals_2: "Sym(s77)", primals_3: "Sym(s27)"):
         sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_1)
         exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
-        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp)
-        view_default_1: "f32[s27*s77]" = torch.ops.aten.view.default(detach, [-1])  # pack(detach)
-        detach_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
-        detach_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(detach, 0)  # pack(detach)
-        detach_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(detach, 1);  detach = None  # pack(detach)
         cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
         exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
         exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
         view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_1, exp_packed_2, detach_packed_2, primals_3, primals_2, exp_packed_0, exp_packed_1, detach_packed_0, detach_packed_1)""")
+        return (cos, primals_1, exp_packed_2, primals_3, primals_2, exp_packed_0, exp_packed_1)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "Sym(s77)", primals_2: "Sym(s27)", primals_3: "f32[s77, s27]"):
         sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_3)
         exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
-        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp)
-        view_default_1: "f32[s27*s77]" = torch.ops.aten.view.default(detach, [-1])  # pack(detach)
-        detach_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default_1, 2);  view_default_1 = None  # pack(detach)
-        detach_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(detach, 0)  # pack(detach)
-        detach_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(detach, 1);  detach = None  # pack(detach)
         cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
         exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
         exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
         view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_3, exp_packed_2, detach_packed_2, primals_2, primals_1, exp_packed_0, exp_packed_1, detach_packed_0, detach_packed_1)""")
+        return (cos, primals_3, exp_packed_2, primals_2, primals_1, exp_packed_0, exp_packed_1)""")
         if TORCH_VERSION >= (2, 15):
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "Sym(s27)", primals_2: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", detach_packed_0: "Sym(s77)", detach_packed_1: "Sym(s27)", primals_1: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", detach_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
+    def forward(self, primals_3: "Sym(s27)", primals_2: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_1: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
         div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
         exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
-        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        div_tensor_1: "f32[s27*s77]" = torch.ops.aten.div.Tensor(detach_packed_2, 2);  detach_packed_2 = None  # unpack(detach)
-        detach_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor_1, [detach_packed_0, detach_packed_1]);  div_tensor_1 = detach_packed_0 = detach_packed_1 = None  # unpack(detach)
-        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
         mul_2: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
@@ -456,15 +431,14 @@ class GraphModule(torch.nn.Module):
         else:
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_2: "Sym(s27)", primals_1: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", detach_packed_0: "Sym(s77)", detach_packed_1: "Sym(s27)", primals_3: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", detach_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
+    def forward(self, primals_2: "Sym(s27)", primals_1: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_3: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
         div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
         exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
-        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul_8: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        div_tensor_1: "f32[s27*s77]" = torch.ops.aten.div.Tensor(detach_packed_2, 2);  detach_packed_2 = None  # unpack(detach)
-        detach_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor_1, [detach_packed_0, detach_packed_1]);  div_tensor_1 = detach_packed_0 = detach_packed_1 = None  # unpack(detach)
-        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_9: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_8, detach_1);  mul_8 = detach_1 = None
         cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_3);  primals_3 = None
         mul_10: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_9, cos_1);  mul_9 = cos_1 = None
@@ -485,9 +459,10 @@ class GraphModule(torch.nn.Module):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1, primals_2, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        return (cos, mm_packed, t, t_1)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
@@ -495,9 +470,10 @@ class GraphModule(torch.nn.Module):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1, primals_2, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        return (cos, mm_packed, t, t_1)""")
 
     def test_filtering_mode_no_static(self, device):
         # Inputs are hooked too, but not static inputs (parameters in a module).
@@ -507,25 +483,27 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
-        primals_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
-        primals_2_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
+        return (cos, mm_packed, t_packed, t_1_packed)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        primals_1_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
-        primals_2_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
+        return (cos, mm_packed, t_packed, t_1_packed)""")
 
     def test_filtering_mode_all(self, device):
         rec = self._filtering_mode(device, "all")
@@ -534,60 +512,58 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
-        primals_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
-        primals_2_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
+        return (cos, mm_packed, t_packed, t_1_packed)""")
         else:
             self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        primals_1_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_1, 2);  primals_1 = None  # pack(primals_1)
-        primals_2_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_2, 2);  primals_2 = None  # pack(primals_2)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin)
-        sin_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None  # pack(sin)
-        return (cos, primals_1_packed, primals_2_packed, mm_packed, sin_packed)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
+        return (cos, mm_packed, t_packed, t_1_packed)""")
         if TORCH_VERSION >= (2, 15):
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1_packed: "f32[8, 8]", primals_2_packed: "f32[4, 8]", mm_packed: "f32[4, 8]", sin_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
-        sin_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(sin_packed, 2);  sin_packed = None  # unpack(sin)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin_unpacked);  sin_unpacked = None
+    def forward(self, mm_packed: "f32[4, 8]", t_packed: "f32[8, 4]", t_1_packed: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm_unpacked)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin);  sin = None
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
-        primals_2_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(primals_2_packed, 2);  primals_2_packed = None  # unpack(primals_2)
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2_unpacked);  primals_2_unpacked = None
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t, mul_1);  t = None
-        primals_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(primals_1_packed, 2);  primals_1_packed = None  # unpack(primals_1)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1_unpacked);  primals_1_unpacked = None
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
+        t_unpacked: "f32[8, 4]" = torch.ops.aten.div.Tensor(t_packed, 2);  t_packed = None  # unpack(t)
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
+        t_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(t_1_packed, 2);  t_1_packed = None  # unpack(t_1)
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
         return (mm_1, mm_2)""")
         else:
             self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1_packed: "f32[4, 8]", primals_2_packed: "f32[8, 8]", mm_packed: "f32[4, 8]", sin_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
-        sin_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(sin_packed, 2);  sin_packed = None  # unpack(sin)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin_unpacked);  sin_unpacked = None
+    def forward(self, mm_packed: "f32[4, 8]", t_packed: "f32[8, 4]", t_1_packed: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm_unpacked)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin);  sin = None
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
-        primals_1_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(primals_1_packed, 2);  primals_1_packed = None  # unpack(primals_1)
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1_unpacked);  primals_1_unpacked = None
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t, mul_1);  t = None
-        primals_2_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(primals_2_packed, 2);  primals_2_packed = None  # unpack(primals_2)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2_unpacked);  primals_2_unpacked = None
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
+        t_unpacked: "f32[8, 4]" = torch.ops.aten.div.Tensor(t_packed, 2);  t_packed = None  # unpack(t)
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
+        t_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(t_1_packed, 2);  t_1_packed = None  # unpack(t_1)
+        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
         return (mm_2, mm_1)""")
 
     def test_prefetch_distance(self, device):
@@ -600,22 +576,22 @@ class GraphModule(torch.nn.Module):
                 compiled(x).sum().backward()
         self.assertExpectedGraph(backend.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", detach_1: "f32[4, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_2: "f32[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
-        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
         tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_2);  tangents_1 = detach_2 = None
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tanh_backward, neg);  tanh_backward = neg = None
-        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_3);  mul = detach_3 = None
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
         return (mul_2,)""")
 
     def test_boundary_placement_matches_upstream(self, device):
-        # config.hook_placement="boundary" reproduces upstream: epilogue / prologue.
+        # config.hook_placement="boundary" reproduces upstream's placement: every pack at the
+        # forward epilogue, every unpack at the backward prologue.
         x = torch.randn(4, 8, device=device, requires_grad=True)
         with tp_config.patch(hook_placement="boundary"):
             backend = AotEagerAndRecordGraphs()
@@ -627,20 +603,18 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
-        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        detach_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach, dtype = torch.bfloat16);  detach = None  # pack(detach)
-        return (cos, primals_1, exp_packed, detach_packed)""")
+        return (cos, primals_1, exp_packed)""")
         self.assertExpectedGraph(backend.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
-        detach_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_packed, dtype = torch.float32);  detach_packed = None  # unpack(detach)
+    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked);  exp_unpacked = None
+        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach_unpacked);  detach_unpacked = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None

@@ -105,7 +105,11 @@ class TestCase(torch._dynamo.test_case.TestCase):
 
 
 class AotEagerAndRecordGraphs:
-    """aot_eager backend that records the Dynamo graph and the AOT fw/bw graphs."""
+    """aot_eager backend that records the Dynamo graph and the AOT fw/bw graphs.
+
+    It is ``backend="aot_eager"`` itself (min-cut partitioner, inference input mutations
+    kept) with recording compilers, so goldens show what users of that backend run.
+    """
 
     def __init__(self) -> None:
         self.graphs: list[fx.GraphModule] = []
@@ -114,7 +118,7 @@ class AotEagerAndRecordGraphs:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import aot_eager
 
         self.graphs.append(gm)
 
@@ -126,7 +130,7 @@ class AotEagerAndRecordGraphs:
             self.bw_graphs.append(g)
             return make_boxed_func(g.forward)
 
-        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+        return aot_eager(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
 
 
 class InductorAndRecordGraphs:

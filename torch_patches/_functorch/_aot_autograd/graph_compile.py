@@ -564,6 +564,7 @@ def _inline(
 
     # Phase 1: trace every hook. Nothing is modified until all of them traced.
     plans: list[_SavedPlan] = []
+    hookable: dict[fx.Node, HookPair] = {}
     for saved, pair in candidates:
         val = saved.meta["val"]
         why = None
@@ -576,6 +577,15 @@ def _inline(
         if why is not None:
             artifact.debug("saved %s (%s) left unhooked: %s", saved.name, _describe_val(val), why)
             continue
+        hookable[saved] = pair
+    # A saved tensor that is a pure alias (detach, alias) of another hooked saved tensor is
+    # not packed again: the backward reads the root's unpacked tensor for both.
+    aliases = _alias_roots(hookable)
+    for saved, pair in hookable.items():
+        if saved in aliases:
+            artifact.debug("saved %s: alias of %s, shares its packed tensor", saved.name, aliases[saved].name)
+            continue
+        val = saved.meta["val"]
         pack = _trace_hook(pair.pack, val, aot_config=aot_config, role="pack", pair=pair, saved=saved)
         unpack = _trace_hook(
             pair.unpack, pack.out_vals, aot_config=aot_config, role="unpack", pair=pair, saved=saved
@@ -592,6 +602,7 @@ def _inline(
     placement = config.hook_placement
     if placement not in ("use", "boundary"):
         raise ValueError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
+    _merge_aliases(fw_module, bw_inputs, num_inner_fwd_outputs, aliases)
     fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
     packed_leaves: dict[fx.Node, list[Any]] = {}
@@ -625,6 +636,56 @@ def _inline(
     bw_module.recompile()
     artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
     artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+#: Ops whose output is the input itself (same storage, sizes, strides) under another name.
+_PURE_ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _alias_roots(hookable: dict[fx.Node, HookPair]) -> dict[fx.Node, fx.Node]:
+    """saved tensor -> the hooked saved tensor it purely aliases (same hooks), if any.
+
+    The partitioner often saves both ``x`` and ``detach(x)`` (one backward formula reads the
+    input, another the result). Packing each would store two compressed copies of one
+    tensor; eager autograd would also call pack twice, but the hooks are pure by contract,
+    so one packed copy serves both.
+    """
+    roots = {}
+    for saved, pair in hookable.items():
+        root = saved
+        while root.op == "call_function" and root.target in _PURE_ALIAS_OPS:
+            root = root.args[0]
+        if root is not saved and hookable.get(root) == pair:
+            roots[saved] = root
+    return roots
+
+
+def _merge_aliases(
+    fw_module: fx.GraphModule,
+    bw_inputs: dict[str, fx.Node],
+    num_inner_fwd_outputs: int,
+    aliases: dict[fx.Node, fx.Node],
+) -> None:
+    """Save each alias's root only: the backward reads the root where it read the alias."""
+    if not aliases:
+        return
+    fw_g = fw_module.graph
+    fw_out = fw_g.output_node()
+    outs = list(fw_out.args[0])
+    keep = [
+        i < num_inner_fwd_outputs or not (isinstance(n, fx.Node) and n in aliases)
+        for i, n in enumerate(outs)
+    ]
+    fw_out.args = (tuple(n for n, k in zip(outs, keep) if k),)
+    desc = fw_out.meta.get("desc")
+    if isinstance(desc, (list, tuple)) and len(desc) == len(outs):
+        fw_out.meta["desc"] = [d for d, k in zip(desc, keep) if k]
+    for alias, root in aliases.items():
+        bw_alias = bw_inputs.pop(alias.name)
+        bw_alias.replace_all_uses_with(bw_inputs[root.name])
+        bw_alias.graph.erase_node(bw_alias)
+        if not alias.users:
+            fw_g.erase_node(alias)
 
 
 def _check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) -> bool:
