@@ -1,0 +1,58 @@
+"""Saved-tensor hooks for torch.compile.
+
+``inlineable(pack, unpack)`` marks a pair of plain Python functions as pure and traceable:
+with torch_patches applied, a compiled graph traces them into its forward (pack) and
+backward (unpack) graphs, exactly as it does ``fx.GraphModule`` hooks. Use the pair like any
+hooks::
+
+    pack, unpack = torch_patches.hooks.inlineable(pack_fn, unpack_fn)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = compiled_model(x).sum()
+
+The marker is a promise: the functions only compute with tensors (no I/O, no reading tensor
+values into Python, no mutation of what they capture). A marked hook that breaks it cannot
+be traced: under ``fullgraph=True`` that is an error naming the hook and the reason,
+otherwise the graph keeps eager hook semantics with one warning. Outside a compiled region
+the functions run as ordinary eager hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch_patches._functorch._aot_autograd.utils import INLINEABLE_ATTR
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["inlineable", "is_inlineable"]
+
+
+def _mark(fn: F) -> F:
+    if not callable(fn):
+        raise TypeError(f"saved tensors hooks must be callable, got {type(fn).__name__}")
+    try:
+        setattr(fn, INLINEABLE_ATTR, True)
+        return fn
+    except AttributeError:
+        # Builtins and other objects that take no attributes: mark a thin wrapper.
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        setattr(wrapper, INLINEABLE_ATTR, True)
+        return wrapper  # type: ignore[return-value]
+
+
+def inlineable(pack: F, unpack: Callable[..., Any]) -> tuple[F, Callable[..., Any]]:
+    """Mark ``(pack, unpack)`` as traceable saved-tensor hooks; returns the pair."""
+    return _mark(pack), _mark(unpack)
+
+
+def is_inlineable(fn: Any) -> bool:
+    """True for fx.GraphModules and functions marked with :func:`inlineable`."""
+    from torch_patches._functorch._aot_autograd.utils import is_inlineable_hook
+
+    return is_inlineable_hook(fn)
