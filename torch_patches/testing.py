@@ -15,8 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.testing._internal.common_device_type import (
 )
 
 import torch_patches
+from torch_patches._errors import SavedTensorsHookError
 from torch_patches._registry import parse_version
 
 
@@ -77,6 +79,27 @@ class TestCase(torch._dynamo.test_case.TestCase):
         self.assertExpectedInline(
             normalize_graph(gm, mark_hooks=mark_hooks), expect, skip=skip + 1
         )
+
+    @contextlib.contextmanager
+    def assertRaisesHookError(self, regex: str = "") -> Iterator[list[SavedTensorsHookError]]:  # noqa: N802
+        """The block raises a :class:`SavedTensorsHookError` whose message matches ``regex``.
+
+        Raised while Dynamo compiles, the error reaches users wrapped in Dynamo's
+        ``BackendCompilerFailed`` (its ``inner_exception``; the message is repeated in the
+        wrapper's); both forms count. Yields a list that holds the error afterwards.
+        """
+        caught: list[SavedTensorsHookError] = []
+        try:
+            yield caught
+        except Exception as e:  # noqa: BLE001 - inspected below
+            inner = getattr(e, "inner_exception", e)
+            if not isinstance(inner, SavedTensorsHookError):
+                raise
+            if regex:
+                self.assertRegex(str(inner), regex)
+            caught.append(inner)
+        else:
+            self.fail("SavedTensorsHookError not raised")
 
     def assertGradsEqual(  # noqa: N802
         self,
