@@ -30,6 +30,7 @@ _BLOB = "https://github.com/pytorch/pytorch/blob/v2.13.0/"
 _GC = "torch._functorch._aot_autograd.graph_compile"
 _RW = "torch._functorch._aot_autograd.runtime_wrappers"
 _AU = "torch._functorch._aot_autograd.utils"
+_AC = "torch._functorch._aot_autograd.autograd_cache"
 _OG = "torch._dynamo.output_graph"
 _GU = "torch._dynamo.guards"
 _TP = "torch_patches."
@@ -50,7 +51,7 @@ PATCHES: tuple[Patch, ...] = (
         name="dynamo.install_saved_tensors_hooks_subgraphs",
         target=f"{_OG}:OutputGraph.maybe_install_saved_tensors_hooks_subgraphs",
         replacement=f"{_TP}_dynamo.output_graph:maybe_install_saved_tensors_hooks_subgraphs",
-        summary="[dynamo] Install saved tensors hooks subgraphs by content, log why hooks stay eager",
+        summary="[dynamo] Key saved tensors hooks subgraphs on hook content (user_cache_hash), log why hooks stay eager",
         upstream=f"{_BLOB}torch/_dynamo/output_graph.py",
         retire_when="upstream installs hook subgraphs with their own root and records plain-function hooks",
         fingerprints=_fp("dynamo.install_saved_tensors_hooks_subgraphs"),
@@ -109,5 +110,17 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_RW}:_disable_saved_tensors_hooks",),
         after=("aot.runtime_hooks_not_disabled_by_type",),
         issue=9,
+    ),
+    Patch(
+        name="aot.autograd_cache_skip_eager_fallback",
+        target=f"{_AC}:AOTAutogradCache.save",
+        replacement=f"{_TP}_functorch._aot_autograd.autograd_cache:make_save",
+        wraps=True,
+        summary="[aotd] Do not cache graphs whose saved tensors hooks fell back to eager",
+        upstream=f"{_BLOB}torch/_functorch/_aot_autograd/autograd_cache.py",
+        retire_when="upstream records in the cache entry whether saved tensors hooks were inlined",
+        fingerprints=_fp("aot.autograd_cache_skip_eager_fallback"),
+        after=("aot.inline_saved_tensors_hooks",),
+        issue=6,
     ),
 )

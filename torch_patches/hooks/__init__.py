@@ -14,6 +14,10 @@ values into Python, no mutation of what they capture). A marked hook that breaks
 be traced: under ``fullgraph=True`` that is an error naming the hook and the reason,
 otherwise the graph keeps eager hook semantics with one warning. Outside a compiled region
 the functions run as ordinary eager hooks.
+
+Ready-made pairs (``torch_patches.hooks.compress``), all marked inlineable: ``bf16()``,
+``fp8_rowwise(dtype)``, ``int8_rowwise()`` and ``chain(first, second, ...)`` to compose
+pairs (compress, then offload).  Each documents its error bound.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from torch_patches._functorch._aot_autograd.utils import INLINEABLE_ATTR
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["inlineable", "is_inlineable"]
+__all__ = [
+    "HookPair",
+    "bf16",
+    "chain",
+    "fp8_rowwise",
+    "inlineable",
+    "int8_rowwise",
+    "is_inlineable",
+]
 
 
 def _mark(fn: F) -> F:
@@ -56,3 +68,18 @@ def is_inlineable(fn: Any) -> bool:
     from torch_patches._functorch._aot_autograd.utils import is_inlineable_hook
 
     return is_inlineable_hook(fn)
+
+
+# Ready-made hooks; imported last: they are built with ``inlineable`` above.
+from torch_patches.hooks.compress import (  # noqa: E402
+    HookPair,
+    bf16,
+    chain,
+    fp8_rowwise,
+    int8_rowwise,
+)
+
+
+from torch_patches.hooks.cache import cache_hash  # noqa: E402
+
+__all__ += ["cache_hash"]

@@ -79,12 +79,24 @@ class HookPair:
 # --------------------------------------------------------------- compile decisions
 
 _decision = threading.local()
+_fallback = threading.local()
 
 
 def _record_decision(inlined: bool) -> None:
     # Read by the runtime-wrapper patch of the same compilation, so a graph whose hooks
     # fell back to eager keeps them enabled at runtime.
     _decision.value = (hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()), inlined)
+
+
+def fell_back_since_last_save() -> bool:
+    """Whether a compilation in this thread fell back to eager hooks since the last call.
+
+    Read (and reset) by the AOTAutogradCache save patch: such a graph must not be cached,
+    since a later cache hit could not tell it apart from one whose hooks were inlined.
+    """
+    fell_back = getattr(_fallback, "value", False)
+    _fallback.value = False
+    return fell_back
 
 
 def take_decision() -> bool | None:
@@ -529,6 +541,7 @@ def maybe_inline_graph_saved_tensors_hooks(
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
+        _fallback.value = True
         return
     if ambient is not None:
         _record_decision(inlined=True)

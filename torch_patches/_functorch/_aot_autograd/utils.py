@@ -86,6 +86,9 @@ class _Keyer:
 
     def __init__(self) -> None:
         self._seen: dict[int, int] = {}
+        # Why the key is only valid in this process (it holds an id()); a key with
+        # reasons can guard a compiled frame but must not key a cross-process cache.
+        self.process_local: list[str] = []
 
     def value(self, v: Any, depth: int = 0) -> Any:
         if isinstance(v, _ATOMS):
@@ -93,12 +96,19 @@ class _Keyer:
         if isinstance(v, _REPR_ATOMS):
             return (type(v).__name__, repr(v))
         if depth > 6:
+            self.process_local.append(f"nests values too deeply ({type(v).__qualname__})")
             return ("deep", type(v).__qualname__, id(v))
         if id(v) in self._seen:  # cycles
             return ("cycle", self._seen[id(v)])
         self._seen[id(v)] = len(self._seen)
         if isinstance(v, torch.Tensor):
-            return _tensor_key(v)
+            key = _tensor_key(v)
+            if key[0] == "tensor-ref":
+                self.process_local.append(
+                    f"captures a {str(v.dtype).replace('torch.', '')}{list(v.shape)} tensor on "
+                    f"{v.device} (keyed by identity: only small CPU tensors are keyed by value)"
+                )
+            return key
         if isinstance(v, (tuple, list, frozenset, set)):
             items = [self.value(x, depth + 1) for x in v]
             if isinstance(v, (set, frozenset)):
@@ -126,6 +136,7 @@ class _Keyer:
                 tuple((k, self.value(p, depth + 1)) for k, p in v.state_dict().items()),
             )
         # Unknown objects: identity (a recreated one counts as a different hook).
+        self.process_local.append(f"captures a {type(v).__qualname__} object (keyed by identity)")
         return ("object", type(v).__module__, type(v).__qualname__, id(v))
 
     def code(self, co: types.CodeType, depth: int) -> Any:
@@ -167,9 +178,20 @@ class _Keyer:
                 for part in str(node.target).split("."):
                     obj = getattr(obj, part, None)
                 attrs.append((node.target, self.value(obj, depth + 1)))
-            elif node.op == "call_function" and isinstance(node.target, types.FunctionType):
-                # fx.wrap leaf functions: their code is part of the hook.
-                attrs.append((node.name, self.value(node.target, depth + 1)))
+            elif node.op == "call_function" and (
+                node.meta.get("is_wrapped", False) or isinstance(node.target, types.FunctionType)
+            ):
+                # fx.wrap leaf calls: opaque to the graph. The user's cache hash stands for
+                # them where given; their Python code keys guards, never a cache.
+                user_hash = leaf_cache_hash(node)
+                if user_hash is not None:
+                    attrs.append((node.name, ("user_cache_hash", user_hash)))
+                else:
+                    self.process_local.append(
+                        f"calls the fx.wrap leaf {getattr(node.target, '__qualname__', node.target)} "
+                        "without a user_cache_hash"
+                    )
+                    attrs.append((node.name, self.value(node.target, depth + 1)))
         return ("graph_module", gm.code, tuple(attrs))
 
 
@@ -186,6 +208,30 @@ def _collect_names(co: types.CodeType, out: set[str]) -> None:
     for c in co.co_consts:
         if isinstance(c, types.CodeType):
             _collect_names(c, out)
+
+
+#: Attribute ``torch_patches.hooks.cache_hash`` sets on an fx.wrap leaf function.
+CACHE_HASH_ATTR = "__torch_patches_user_cache_hash__"
+
+
+def leaf_cache_hash(node: torch.fx.Node) -> str | None:
+    """The user_cache_hash of an opaque leaf call: node.meta's, else its function's."""
+    value = node.meta.get("user_cache_hash") or getattr(node.target, CACHE_HASH_ATTR, None)
+    return None if value is None else str(value)
+
+
+def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
+    """(digest, reasons): a digest of the hook's content valid across processes.
+
+    The digest is None, with the reasons, when part of the key is process-local: an opaque
+    fx.wrap leaf call without a user_cache_hash, a captured tensor keyed by identity, an
+    unknown captured object. Compile caches must then bypass, never guess.
+    """
+    keyer = _Keyer()
+    key = keyer.value(fn)
+    if keyer.process_local:
+        return None, list(dict.fromkeys(keyer.process_local))
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:20], []
 
 
 def content_key(fn: Any) -> Any:

@@ -1,0 +1,85 @@
+"""One training step in a fresh process, for the compile-cache tests.
+
+    python test/cache_worker.py '{"hook": "gm", "scale": 2.0, "backend": "inductor", ...}'
+
+Prints one JSON line: the AOTAutograd and Inductor cache counters, and the gradients.
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.fx
+
+import torch_patches
+from torch_patches.hooks import cache_hash, inlineable
+
+
+def leaf_scale(x, s):
+    # An opaque leaf: symbolic_trace records a call to it, not what it does.
+    return x * s
+
+
+torch.fx.wrap("leaf_scale")
+
+
+def build_hooks(spec):
+    scale = spec["scale"]
+
+    def pack(x):
+        if spec.get("untraceable"):
+            scale_now = float(x.abs().max().item()) * 0 + scale  # .item(): cannot be traced
+        else:
+            scale_now = scale
+        return (x * scale_now).to(torch.bfloat16)
+
+    def unpack(x):
+        return x.to(torch.float32) / scale
+
+    def leaf_pack(x):
+        return leaf_scale(x, scale).to(torch.bfloat16)
+
+    if spec["hook"] == "gm":
+        return torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
+    if spec["hook"] == "marked":
+        return inlineable(pack, unpack)
+    if spec["hook"] == "leaf":
+        if spec.get("leaf_hash"):
+            cache_hash(spec["leaf_hash"])(leaf_scale)
+        return torch.fx.symbolic_trace(leaf_pack), torch.fx.symbolic_trace(unpack)
+    raise ValueError(spec["hook"])
+
+
+def model(x, w):
+    return torch.nn.functional.linear(x, w).sin().cos()
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    torch_patches.apply()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 8, generator=gen, requires_grad=True)
+    w = torch.randn(8, 8, generator=gen, requires_grad=True)
+    f = torch.compile(model, backend=spec["backend"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
+            out = f(x, w)
+        out.sum().backward()
+    from torch._dynamo.utils import counters
+
+    print(
+        json.dumps(
+            {
+                "aot": dict(counters["aot_autograd"]),
+                "inductor": {k: v for k, v in counters["inductor"].items() if "fxgraph" in k},
+                "grads": [x.grad.flatten().tolist(), w.grad.flatten().tolist()],
+                "warnings": [str(w.message) for w in caught if "torch_patches" in str(w.message)],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Compile caches with saved-tensor hooks, across fresh processes.
+
+AOTAutogradCache keys a graph on the hooks' *content* (the ``user_cache_hash`` of the hook
+subgraphs torch_patches installs: code, constants, the user_cache_hash of fx.wrap leaves, and
+the torch_patches config that changes compiled graphs). Every case runs the same training step
+in fresh processes sharing one cache directory (test/cache_worker.py), and checks the cache
+counters and that the gradients are those of the hook that was asked for.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.fx
+from torch._dynamo.test_case import run_tests
+
+from torch_patches._dynamo.output_graph import hook_subgraph
+from torch_patches._functorch._aot_autograd.utils import hook_cache_hash
+from torch_patches.hooks import cache_hash, inlineable
+from torch_patches.testing import TestCase
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
+
+
+@cache_hash("v1")
+def hashed(x):
+    return x
+
+
+def unhashed(x):
+    return x
+
+
+torch.fx.wrap("hashed")
+torch.fx.wrap("unhashed")
+
+
+class TestCompileCache(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.cache_dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.cache_dir.cleanup)
+
+    def step(self, **spec):
+        spec.setdefault("hook", "gm")
+        spec.setdefault("scale", 2.0)
+        spec.setdefault("backend", "inductor")
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=self.cache_dir.name)
+        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        proc = subprocess.run(
+            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
+        return result
+
+    def assertSameGrads(self, result, other):  # noqa: N802
+        self.assertGradsEqual(result["grads"], other["grads"], exact=True)
+
+    def assertDifferentGrads(self, result, other):  # noqa: N802
+        # Lossy bf16 hooks: the scale changes the rounding, so gradients identify the hook.
+        self.assertFalse(torch.allclose(result["grads"][0], other["grads"][0]))
+
+    def assertCache(self, result, state):  # noqa: N802
+        self.assertEqual(result["aot"].get(f"autograd_cache_{state}", 0), 1, result["aot"])
+
+    def test_same_hooks_hit_in_fresh_process(self):
+        for hook in ("gm", "marked"):
+            with self.subTest(hook=hook):
+                first = self.step(hook=hook)
+                self.assertCache(first, "miss")
+                second = self.step(hook=hook)
+                self.assertCache(second, "hit")
+                self.assertEqual(second["inductor"].get("fxgraph_cache_miss", 0), 0)
+                # The hit runs the graphs compiled for these hooks, and only those: a
+                # Python hook re-run on the packed tensors would change the gradients.
+                self.assertSameGrads(second, first)
+
+    def test_changed_constant_misses_and_new_hook_runs(self):
+        two = self.step(scale=2.0)
+        self.assertCache(two, "miss")
+        three = self.step(scale=3.0)
+        self.assertCache(three, "miss")  # a miss compiles the hook it is given
+        self.assertDifferentGrads(three, two)
+        # Both entries now live side by side.
+        again = self.step(scale=2.0)
+        self.assertCache(again, "hit")
+        self.assertSameGrads(again, two)
+
+    def test_leaf_without_user_cache_hash_bypasses(self):
+        self.assertCache(self.step(hook="leaf"), "bypass")
+
+    def test_leaf_with_user_cache_hash_hits_and_value_change_misses(self):
+        first = self.step(hook="leaf", leaf_hash="v1")
+        self.assertCache(first, "miss")
+        hit = self.step(hook="leaf", leaf_hash="v1")
+        self.assertCache(hit, "hit")
+        self.assertSameGrads(hit, first)
+        self.assertCache(self.step(hook="leaf", leaf_hash="v2"), "miss")
+
+    def test_eager_fallback_is_not_cached(self):
+        # An untraceable hook falls back to eager hooks (one warning) in every process: a
+        # cached graph would run with the hooks disabled and no warning.
+        runs = [self.step(hook="marked", untraceable=True) for _ in range(2)]
+        for result in runs:
+            self.assertEqual(result["aot"].get("autograd_cache_hit", 0), 0, result["aot"])
+            self.assertEqual(result["aot"].get("autograd_cache_saved", 0), 0, result["aot"])
+            self.assertEqual(len(result["warnings"]), 1, result["warnings"])
+        self.assertSameGrads(runs[1], runs[0])
+
+    def test_aot_eager_uses_the_new_hook(self):
+        # aot_eager has no AOTAutogradCache: every process compiles, with its own hook;
+        # the result equals this process's own aot_eager compile of the same hook.
+        from cache_worker import build_hooks, model
+
+        for scale in (2.0, 3.0):
+            result = self.step(backend="aot_eager", scale=scale)
+            self.assertEqual(result["aot"], {"total": 1, "ok": 1})
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(8, 8, generator=gen, requires_grad=True)
+            w = torch.randn(8, 8, generator=gen, requires_grad=True)
+            torch._dynamo.reset()
+            with torch.autograd.graph.saved_tensors_hooks(*build_hooks({"hook": "gm", "scale": scale})):
+                out = torch.compile(model, backend="aot_eager")(x, w)
+            out.sum().backward()
+            self.assertGradsEqual(result["grads"], [x.grad, w.grad], exact=True)
+
+
+class TestHookCacheKey(TestCase):
+    apply_patches = False
+
+    def test_key_is_stable_and_content_sensitive(self):
+        def make(scale):
+            def pack(x):
+                return (x * scale).to(torch.bfloat16)
+
+            return pack
+
+        gm = torch.fx.symbolic_trace(make(2.0))
+        self.assertEqual(hook_cache_hash(gm), hook_cache_hash(torch.fx.symbolic_trace(make(2.0))))
+        self.assertNotEqual(hook_cache_hash(gm)[0], hook_cache_hash(torch.fx.symbolic_trace(make(4.0)))[0])
+        fn = inlineable(make(2.0), make(2.0))[0]
+        self.assertEqual(hook_cache_hash(fn), hook_cache_hash(inlineable(make(2.0), make(2.0))[0]))
+        self.assertNotEqual(hook_cache_hash(fn)[0], hook_cache_hash(inlineable(make(5.0), make(5.0))[0])[0])
+
+    def test_key_across_processes(self):
+        # The golden: the digest of a fixed hook is the same in every process and release.
+        code = (
+            "import torch, torch.fx\n"
+            "from torch_patches._functorch._aot_autograd.utils import hook_cache_hash\n"
+            "def pack(x):\n    return (x * 2.0).to(torch.bfloat16)\n"
+            "print(hook_cache_hash(torch.fx.symbolic_trace(pack))[0])\n"
+        )
+        digests = {
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)
+        }
+        self.assertEqual(len(digests), 1)
+        self.assertExpectedInline(digests.pop(), """ce5e14e2ce77f6d3ef5e""")
+
+    def test_process_local_parts_have_no_key(self):
+        big = torch.randn(100, 100)
+
+        def pack(x):
+            return x * big
+
+        digest, reasons = hook_cache_hash(inlineable(pack, pack)[0])
+        self.assertIsNone(digest)
+        self.assertIn("float32[100, 100]", reasons[0])
+
+        def with_hashed(x):
+            return hashed(x) * 2
+
+        def with_unhashed(x):
+            return unhashed(x) * 2
+
+        self.assertIsNotNone(hook_cache_hash(torch.fx.symbolic_trace(with_hashed))[0])
+        digest, reasons = hook_cache_hash(torch.fx.symbolic_trace(with_unhashed))
+        self.assertIsNone(digest)
+        self.assertIn("without a user_cache_hash", reasons[0])
+
+    def test_installed_subgraph_carries_the_key(self):
+        gm = torch.fx.symbolic_trace(lambda x: x * 2)
+        sub = hook_subgraph(gm, "pack")
+        (call,) = [n for n in sub.graph.nodes if n.op == "call_function"]
+        self.assertTrue(call.meta["is_wrapped"])
+        self.assertIn(hook_cache_hash(gm)[0], call.meta["user_cache_hash"])
+
+
+if __name__ == "__main__":
+    run_tests()
