@@ -159,7 +159,8 @@ class AotEagerAndRecordGraphs:
 class InductorAndRecordGraphs:
     """inductor backend that records the AOT fw/bw graphs Inductor is given.
 
-    ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run.
+    ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run. The
+    compile caches are off while it compiles: a hit would skip the graphs it records.
     """
 
     def __init__(self) -> None:
@@ -177,7 +178,9 @@ class InductorAndRecordGraphs:
             (self.bw_graphs if kwargs.get("is_backward") else self.fw_graphs).append(copy)
             return compile_fx_inner(g, inputs, **kwargs)
 
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        # A cache hit would skip inner_compile and record nothing.
+        with torch._inductor.config.patch(force_disable_caches=True):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -139,17 +139,6 @@ def hooks_for_node(node: fx.Node, ambient: HookPair | None) -> HookPair | None:
 # ---------------------------------------------------------------------- selection
 
 
-def _is_hookable_dtype(val: torch.Tensor) -> bool:
-    policy = config.hooked_saved_tensor_dtypes
-    if policy == "all":
-        return True
-    if policy != "float":
-        raise ValueError(
-            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
-        )
-    return val.dtype.is_floating_point or val.dtype.is_complex
-
-
 def _filtered_by_mode(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
@@ -583,7 +572,7 @@ def _inline(
         why = None
         if allowed is not None and saved not in allowed:
             why = f"filtered by saved_tensors_hooks_filtering_mode={torch._functorch.config.saved_tensors_hooks_filtering_mode!r}"
-        elif not _is_hookable_dtype(val):
+        elif not hook_utils.is_hookable_dtype(val.dtype):
             why = f"dtype {val.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
         elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
             why = "unused by the backward"

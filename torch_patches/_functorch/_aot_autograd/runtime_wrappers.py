@@ -57,17 +57,6 @@ class _Hooked:
         self.dtype, self.shape, self.device = t.dtype, t.shape, t.device
 
 
-def _hookable(t: torch.Tensor) -> bool:
-    policy = config.hooked_saved_tensor_dtypes
-    if policy == "all":
-        return True
-    if policy != "float":
-        raise ValueError(
-            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
-        )
-    return t.dtype.is_floating_point or t.dtype.is_complex
-
-
 def _describe(dtype: torch.dtype, shape: Any, device: torch.device) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device.type}"
 
@@ -78,7 +67,7 @@ def _contract_hooks(
     validate = config.validate_unpack
 
     def contract_pack(t: torch.Tensor) -> Any:
-        if not _hookable(t):
+        if not hook_utils.is_hookable_dtype(t.dtype):
             return _Unhooked(t)
         return _Hooked(pack(t), t)
 

@@ -46,6 +46,24 @@ def saved_tensors_hooks_are_inlineable(hooks: Any) -> bool:
     return is_inlineable_hook(pack) and is_inlineable_hook(unpack)
 
 
+def is_hookable_dtype(dtype: torch.dtype) -> bool:
+    """Whether user hooks see saved tensors of ``dtype`` (``config.hooked_saved_tensor_dtypes``).
+
+    "float" (default): floating point and complex only; masks and indices the partitioner
+    saves are kept as they are. "all": every dtype, as eager autograd would pass them.
+    """
+    from torch_patches import config
+
+    policy = config.hooked_saved_tensor_dtypes
+    if policy == "all":
+        return True
+    if policy != "float":
+        raise ValueError(
+            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
+        )
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def hook_name(fn: Any) -> str:
     """A human name for a hook, for errors and logs."""
     if isinstance(fn, torch.fx.GraphModule):
