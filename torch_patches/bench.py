@@ -32,6 +32,9 @@ from typing import Any
 
 MODES = ("no-hooks", "eager-hooks", "stock-inline", "ours")
 
+#: torch_patches.hooks factories the benchmark can run (besides the plain bf16/fp8 casts).
+LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise")
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -127,10 +130,17 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
 
     if case.mode == "no-hooks":
         return None
+    import torch_patches.hooks as library
+
     if case.hook == "bf16":
         pack, unpack = _cast_hooks(torch.bfloat16)
     elif case.hook == "fp8":
         pack, unpack = _cast_hooks(torch.float8_e4m3fn)
+    elif case.hook in LIBRARY_HOOKS:
+        # Ready-made hooks (marked inlineable): "ours" inlines them as they are.
+        pack, unpack = getattr(library, case.hook)()
+        if case.mode == "ours":
+            return pack, unpack
     else:
         raise ValueError(f"unknown hook {case.hook!r}")
     if case.mode == "eager-hooks":
