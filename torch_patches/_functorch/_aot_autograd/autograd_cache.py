@@ -27,7 +27,7 @@ def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def save(key: str, entry: Any, remote: bool) -> None:
-        if graph_compile.fell_back_since_last_save():
+        if graph_compile.take_fell_back():
             from torch._dynamo.utils import counters
 
             counters["aot_autograd"]["autograd_cache_bypass"] += 1

@@ -79,7 +79,8 @@ class HookPair:
 # --------------------------------------------------------------- compile decisions
 
 _decision = threading.local()
-_fallback = threading.local()
+_fallback_lock = threading.Lock()
+_fallback_ids: set[Any] = set()  # compile ids whose hooks fell back to eager
 
 
 def _record_decision(inlined: bool) -> None:
@@ -88,15 +89,26 @@ def _record_decision(inlined: bool) -> None:
     _decision.value = (hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()), inlined)
 
 
-def fell_back_since_last_save() -> bool:
-    """Whether a compilation in this thread fell back to eager hooks since the last call.
+def _compile_id() -> Any:
+    from torch._guards import CompileContext
 
-    Read (and reset) by the AOTAutogradCache save patch: such a graph must not be cached,
-    since a later cache hit could not tell it apart from one whose hooks were inlined.
+    return CompileContext.current_compile_id()
+
+
+def take_fell_back() -> bool:
+    """Whether the compilation in progress (by Dynamo compile id) fell back to eager hooks.
+
+    Read by the AOTAutogradCache save patch: such a graph must not be cached, since a later
+    hit could not tell it apart from one whose hooks were inlined. Keyed by compile id, not
+    thread: the entry is saved at the first backward (lazy backward compile), which may run
+    on autograd's device thread, under the forward's restored compile context.
     """
-    fell_back = getattr(_fallback, "value", False)
-    _fallback.value = False
-    return fell_back
+    with _fallback_lock:
+        try:
+            _fallback_ids.remove(_compile_id())
+        except KeyError:
+            return False
+    return True
 
 
 def take_decision() -> bool | None:
@@ -222,6 +234,7 @@ def _trace_hook(
     role: str,
     pair: HookPair,
     saved: fx.Node,
+    bw_graph: fx.Graph,
 ) -> _Traced:
     """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions."""
     from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
@@ -249,7 +262,7 @@ def _trace_hook(
     try:
         with (
             gc._saved_tensor_hook_context(
-                {"_fw_graph": saved.graph, "_bw_graph": None, "_node": saved}
+                {"_fw_graph": saved.graph, "_bw_graph": bw_graph, "_node": saved}
             ),
             _disable_saved_tensors_hooks_during_tracing(),
             _no_side_effects(fn) as effects,
@@ -530,7 +543,8 @@ def maybe_inline_graph_saved_tensors_hooks(
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
-        _fallback.value = True
+        with _fallback_lock:
+            _fallback_ids.add(_compile_id())
         return
     if ambient is not None:
         _record_decision(inlined=True)
@@ -588,9 +602,17 @@ def _inline(
             artifact.debug("saved %s: alias of %s, shares its packed tensor", saved.name, aliases[saved].name)
             continue
         val = saved.meta["val"]
-        pack = _trace_hook(pair.pack, val, aot_config=aot_config, role="pack", pair=pair, saved=saved)
+        pack = _trace_hook(
+            pair.pack, val, aot_config=aot_config, role="pack", pair=pair, saved=saved, bw_graph=bw_g
+        )
         unpack = _trace_hook(
-            pair.unpack, pack.out_vals, aot_config=aot_config, role="unpack", pair=pair, saved=saved
+            pair.unpack,
+            pack.out_vals,
+            aot_config=aot_config,
+            role="unpack",
+            pair=pair,
+            saved=saved,
+            bw_graph=bw_g,
         )
         out = unpack.out_vals
         if isinstance(out, (tuple, list)) and len(out) == 1:
