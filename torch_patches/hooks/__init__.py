@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch_patches._functorch._aot_autograd.utils import INLINEABLE_ATTR
+from torch_patches.hooks.cache import cache_hash
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,6 +35,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 __all__ = [
     "HookPair",
     "bf16",
+    "cache_hash",
     "chain",
     "fp8_rowwise",
     "inlineable",
@@ -78,8 +80,3 @@ from torch_patches.hooks.compress import (  # noqa: E402
     fp8_rowwise,
     int8_rowwise,
 )
-
-
-from torch_patches.hooks.cache import cache_hash  # noqa: E402
-
-__all__ += ["cache_hash"]

@@ -249,7 +249,11 @@ def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
     key = keyer.value(fn)
     if keyer.process_local:
         return None, list(dict.fromkeys(keyer.process_local))
-    return hashlib.sha256(repr(key).encode()).hexdigest()[:20], []
+    return _digest(key), []
+
+
+def _digest(key: Any) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:20]
 
 
 def content_key(fn: Any) -> Any:
@@ -258,8 +262,8 @@ def content_key(fn: Any) -> Any:
 
 
 def content_hash(fn: Any) -> str:
-    """Stable digest of a hook's content (code, captured constants, tensor values)."""
-    return hashlib.sha256(repr(content_key(fn)).encode()).hexdigest()[:20]
+    """Digest of a hook's content for guards (may hold id()s: see :func:`hook_cache_hash`)."""
+    return _digest(content_key(fn))
 
 
 # Guards evaluate the key on every call; hooks that are the same objects as last time
