@@ -55,17 +55,29 @@ def model(x, w):
     return torch.nn.functional.linear(x, w).sin().cos()
 
 
+HOOKS = None  # for "in_region": the hooks entered inside the compiled function
+
+
+def model_in_region(x, w):
+    with torch.autograd.graph.saved_tensors_hooks(*HOOKS):
+        return model(x, w)
+
+
 def main():
     spec = json.loads(sys.argv[1])
     torch_patches.apply()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 8, generator=gen, requires_grad=True)
     w = torch.randn(8, 8, generator=gen, requires_grad=True)
-    f = torch.compile(model, backend=spec["backend"])
+    global HOOKS
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
-            out = f(x, w)
+        if spec.get("in_region"):
+            HOOKS = build_hooks(spec)
+            out = torch.compile(model_in_region, backend=spec["backend"], fullgraph=True)(x, w)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
+                out = torch.compile(model, backend=spec["backend"])(x, w)
         out.sum().backward()
     from torch._dynamo.utils import counters
 

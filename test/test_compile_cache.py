@@ -92,6 +92,19 @@ class TestCompileCache(TestCase):
         self.assertCache(again, "hit")
         self.assertSameGrads(again, two)
 
+    def test_hooks_entered_in_region_are_keyed_by_content(self):
+        # The scope's content digest is in the code of a stand-in subgraph on the graph.
+        two = self.step(hook="marked", in_region=True)
+        self.assertCache(two, "miss")
+        hit = self.step(hook="marked", in_region=True)
+        self.assertCache(hit, "hit")
+        self.assertSameGrads(hit, two)
+        three = self.step(hook="marked", in_region=True, scale=3.0)
+        self.assertCache(three, "miss")
+        self.assertDifferentGrads(three, two)
+        # Not the entry of the same hooks entered around the compiled call.
+        self.assertCache(self.step(hook="marked"), "miss")
+
     def test_leaf_without_user_cache_hash_bypasses(self):
         self.assertCache(self.step(hook="leaf"), "bypass")
 

@@ -33,6 +33,8 @@ _AU = "torch._functorch._aot_autograd.utils"
 _AC = "torch._functorch._aot_autograd.autograd_cache"
 _OG = "torch._dynamo.output_graph"
 _GU = "torch._dynamo.guards"
+_UD = "torch._dynamo.variables.user_defined"
+_CM = "torch._dynamo.variables.ctx_manager"
 _TP = "torch_patches."
 
 
@@ -69,6 +71,24 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("dynamo.guard_saved_tensors_hooks_by_content"),
         after=("dynamo.install_saved_tensors_hooks_subgraphs",),
         issue=4,
+    ),
+    Patch(
+        name="dynamo.saved_tensors_hooks_in_region",
+        target=f"{_UD}:UserDefinedClassVariable.call_function",
+        replacement=f"{_TP}_dynamo.variables.user_defined:make_call_function",
+        wraps=True,
+        summary="[dynamo] Trace saved_tensors_hooks entered inside a compiled region as scopes",
+        upstream=f"{_BLOB}torch/_dynamo/variables/ctx_manager.py",
+        retire_when="upstream Dynamo traces saved_tensors_hooks(pack, unpack) inside a region (no graph break)",
+        fingerprints=_fp("dynamo.saved_tensors_hooks_in_region"),
+        depends_on=(
+            f"{_CM}:ContextWrappingVariable.set_cleanup_hook",
+            f"{_CM}:ContextWrappingVariable.exit",
+            f"{_CM}:FxTracebackAnnotateVariable.enter",
+            f"{_OG}:OutputGraph.install_subgraph",
+        ),
+        after=("dynamo.guard_saved_tensors_hooks_by_content",),
+        issue=5,
     ),
     Patch(
         name="aot.inline_saved_tensors_hooks",

@@ -30,6 +30,7 @@ from torch.testing._internal.common_device_type import (
 
 import torch_patches
 from torch_patches._errors import SavedTensorsHookError
+from torch_patches._functorch._aot_autograd import graph_compile
 from torch_patches._registry import parse_version
 
 
@@ -57,6 +58,8 @@ class TestCase(torch._dynamo.test_case.TestCase):
 
     def setUp(self) -> None:
         super().setUp()
+        # "One warning per untraceable hook" holds per test, not only per process.
+        graph_compile._warned.clear()
         if self.apply_patches:
             torch_patches.apply()
             self.addCleanup(torch_patches.unapply)
@@ -86,13 +89,16 @@ class TestCase(torch._dynamo.test_case.TestCase):
 
         Raised while Dynamo compiles, the error reaches users wrapped in Dynamo's
         ``BackendCompilerFailed`` (its ``inner_exception``; the message is repeated in the
-        wrapper's); both forms count. Yields a list that holds the error afterwards.
+        wrapper's), or, for hooks entered inside the compiled region, as the cause of
+        Dynamo's ``Unsupported``; all forms count. Yields a list that holds the error afterwards.
         """
         caught: list[SavedTensorsHookError] = []
         try:
             yield caught
         except Exception as e:  # noqa: BLE001 - inspected below
             inner = getattr(e, "inner_exception", e)
+            if not isinstance(inner, SavedTensorsHookError):
+                inner = e.__cause__  # Dynamo's Unsupported, for hooks entered in the region
             if not isinstance(inner, SavedTensorsHookError):
                 raise
             if regex:
@@ -227,6 +233,8 @@ def normalize_graph(gm: fx.GraphModule, *, mark_hooks: bool = True) -> str:
         if m and m.group(1) in marks:
             info = marks[m.group(1)]
             line = f"{line}  # {info['role']}({info['saved']})"
+            if info["hook"] != "ambient":  # in-graph scope: say which
+                line += " " + info["hook"].removeprefix("saved_tensors_hooks_")
         lines.append(line)
     return "\n".join(lines)
 

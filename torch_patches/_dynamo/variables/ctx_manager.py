@@ -1,12 +1,328 @@
-"""Saved-tensors-hooks scopes entered inside a compiled region (filled in by issue 5)."""
+"""``saved_tensors_hooks`` entered inside a compiled region.
+
+Upstream counterpart: ``torch/_dynamo/variables/ctx_manager.py``.  Stock Dynamo treats
+``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` as a user class whose
+``__init__`` is skipped: a graph break (an error under ``fullgraph=True``).  With the
+patch, entering it with inlineable hooks (``fx.GraphModule`` or functions marked
+``torch_patches.hooks.inlineable``) records a *scope* instead:
+
+* every FX node created inside the ``with`` block carries the scope's key in
+  ``node.meta["custom"]`` (through ``torch.fx.traceback.annotate``, exactly like
+  Dynamo's ``FxTracebackAnnotateVariable``); AOTAutograd copies it onto the forward
+  nodes and onto the backward nodes derived from them, nested scopes overwrite the key
+  (inner wins);
+* AOTAutograd's inliner (``graph_compile.hooks_for_saved``) gives each saved tensor the
+  hooks of the scope of the backward op that reads it first -- the forward op that saved
+  it, eager's rule (see :func:`scope_of`);
+* the hooks are guarded on their content at their source (a hook recreated every step
+  does not recompile), and a stand-in subgraph carrying the scope's content digest in its
+  code is installed on the graph so AOTAutogradCache keys on it.
+
+Hooks are trial-traced when the scope is entered: a hook that cannot be inlined is an
+error naming the hook and the reason under ``fullgraph=True``; otherwise the ``with``
+block graph-breaks and runs as eager code with eager hooks (one warning).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
+import uuid
+import weakref
 from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.variables.base import VariableTracker
+from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
+
+from torch_patches._functorch._aot_autograd import utils as hook_utils
+
+
+log = logging.getLogger(__name__)
+
+#: ``node.meta["custom"]`` key naming the in-graph hooks scope a node was created in.
+SCOPE_KEY = "torch_patches_saved_tensors_hooks"
 
 NO_SCOPE: Any = object()
 
+# scope key -> HookPair. The OutputGraph that traced a scope holds the pair until the
+# compilation (and so the inliner, which runs inside it) is done.
+_scopes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_GB_TYPE = "torch_patches: untraceable saved tensors hook"
 
-def scope_of(node: Any) -> Any:
-    """The in-graph hook scope a forward node was produced in, or NO_SCOPE."""
-    return NO_SCOPE
+
+def _key(node: fx.Node) -> str | None:
+    return (node.meta.get("custom") or {}).get(SCOPE_KEY)
+
+
+def scope_of(saved: fx.Node, bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> Any:
+    """The in-graph hooks (a ``HookPair``) a saved tensor takes, or ``NO_SCOPE``.
+
+    Eager packs a saved tensor with the hooks active when the op that *saved* it ran. In
+    the AOT backward, the nodes that read a saved tensor are that op's gradient formula
+    (or, for a tensor the partitioner chose to save, the recomputation that reads it),
+    and they carry the forward op's ``custom`` metadata: their scopes are the scopes of
+    the ops that saved the tensor. When ops in different scopes saved the same tensor
+    (eager packs it once per op), the compiled graph saves it once, with the hooks of
+    the scope it was computed in if an op there saved it, else with those of the op
+    whose backward reads it first. A tensor no backward node reads is not hooked.
+    """
+    readers = [u for u in (bw_input.users if bw_input is not None else ()) if u.op != "output"]
+    if not readers:
+        return NO_SCOPE
+    keys = {_key(r) for r in readers}
+    key = _key(saved)
+    if key not in keys:
+        key = _key(min(readers, key=bw_order.__getitem__))
+    if key is None:
+        return NO_SCOPE
+    pair = _scopes.get(key)
+    if pair is None:
+        raise AssertionError(
+            f"saved tensor {saved.name!r} was traced in saved tensors hooks scope {key!r}, "
+            "which is no longer registered (compiled outside the Dynamo compilation that "
+            "traced it?)"
+        )
+    return pair
+
+
+# ------------------------------------------------------------------ hook resolution
+
+
+def _source_name(source: Any) -> str:
+    name = getattr(source, "name", None)
+    return str(name() if callable(name) else name)
+
+
+def _python_value(tx: Any, vt: VariableTracker) -> tuple[Any, Any, bool]:
+    """(hook object, its source or None, whether its guards are ours to install)."""
+    from torch._dynamo.variables.lazy import LazyVariableTracker
+
+    if isinstance(vt, LazyVariableTracker) and not vt.is_realized() and vt.source is not None:
+        # Not realized: Dynamo installed no identity guard on it; we guard on content.
+        return vt.peek_value(), vt.source, True
+    vt = vt.realize() if isinstance(vt, LazyVariableTracker) else vt
+    for get in (
+        lambda: vt.get_function(),  # UserFunctionVariable
+        lambda: tx.output.get_submodule(vt.module_key),  # NNModuleVariable
+        lambda: vt.value,  # UnspecializedNNModuleVariable, UserDefinedObjectVariable
+        lambda: vt.as_python_constant(),
+    ):
+        try:
+            value = get()
+        except Exception:  # noqa: BLE001 - try the next way of reading it
+            continue
+        if value is not None:
+            return value, vt.source, False
+    return None, vt.source, False
+
+
+def _content_guard(source: Any, fn: Any) -> None:
+    """Guard ``source`` on the hook's content (not its identity)."""
+    from torch._dynamo.guards import get_verbose_code_parts, install_guard
+    from torch._guards import Guard
+
+    expected = hook_utils.cached_content_hash(fn)
+
+    def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
+        code = [f"torch_patches saved tensors hook content of {_source_name(source)} == {expected!r}"]
+
+        def check(value: Any) -> bool:
+            return hook_utils.is_inlineable_hook(value) and hook_utils.cached_content_hash(value) == expected
+
+        builder.get_guard_manager(guard).add_lambda_guard(
+            check, get_verbose_code_parts(code, guard), guard.user_stack
+        )
+
+    install_guard(Guard(source, SAVED_TENSORS_HOOK_CONTENT))
+
+
+# ----------------------------------------------------------------------- the scope
+
+
+class SavedTensorsHooksVariable(ContextWrappingVariable):
+    """``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` inside a compiled region."""
+
+    _nonvar_fields = {"pair", "scope_key", "_first_node", *ContextWrappingVariable._nonvar_fields}
+
+    def __init__(self, pair: Any, scope_key: str, **kwargs: Any) -> None:
+        super().__init__(target_values=(), initial_values=None, **kwargs)
+        self.pair = pair
+        self.scope_key = scope_key
+        self._first_node: fx.Node | None = None
+
+    @staticmethod
+    def create(tx: Any, args: list[VariableTracker], kwargs: dict[str, VariableTracker]) -> VariableTracker:
+        from torch._dynamo.exc import unimplemented
+
+        from torch_patches._functorch._aot_autograd import graph_compile
+
+        try:
+            bound = inspect.signature(torch.autograd.graph.saved_tensors_hooks.__init__).bind(
+                None, *args, **kwargs
+            )
+        except TypeError as e:
+            unimplemented(
+                gb_type="torch_patches: bad saved_tensors_hooks arguments",
+                context=str(e),
+                explanation=f"torch.autograd.graph.saved_tensors_hooks(...): {e}",
+                hints=[],
+            )
+        hooks = []
+        for role in ("pack", "unpack"):
+            value, source, guard_here = _python_value(tx, bound.arguments[f"{role}_hook"])
+            if not hook_utils.is_inlineable_hook(value):
+                what = (
+                    "a function defined inside the compiled region"
+                    if value is None
+                    else f"{hook_utils.hook_name(value)}, which is neither an fx.GraphModule "
+                    "nor marked with torch_patches.hooks.inlineable"
+                )
+                unimplemented(
+                    gb_type="torch_patches: saved_tensors_hooks with non-inlineable hooks",
+                    context=f"{role} hook: {what}",
+                    explanation=(
+                        "saved_tensors_hooks entered inside a compiled region must have "
+                        f"inlineable hooks; the {role} hook is {what}. Mark pure, traceable "
+                        "hooks with torch_patches.hooks.inlineable(pack, unpack) (defined "
+                        "outside the compiled function), or enter the hooks outside it."
+                    ),
+                    hints=[],
+                )
+            hooks.append((value, source, guard_here))
+        (pack, pack_src, pack_guard), (unpack, unpack_src, unpack_guard) = hooks
+
+        pair = graph_compile.HookPair(pack, unpack, "scope")
+        error = graph_compile.trial_trace(pair)
+        if error is not None:
+            if not graph_compile._dynamo_fullgraph():
+                graph_compile.warn_untraceable_once(
+                    error,
+                    "The saved_tensors_hooks block runs as eager code with eager hooks (a graph break)",
+                )
+            unimplemented(
+                gb_type=_GB_TYPE,
+                context=str(error),
+                explanation=f"{error}",
+                hints=["Make the hook pure and traceable (no .item(), I/O, data-dependent control flow)."],
+                from_exc=error,
+            )
+        for fn, source, guard_here in hooks:
+            if guard_here:
+                _content_guard(source, fn)
+
+        key = _register_scope(tx, pair)
+        return SavedTensorsHooksVariable(_scopes[key], key)
+
+    def enter(self, tx: Any, *args: VariableTracker) -> VariableTracker:
+        from torch._dynamo import variables
+        from torch._dynamo.exc import unimplemented
+
+        message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+        if message is not None:
+            # Eager raises this when hooks are registered under disable_saved_tensors_hooks.
+            unimplemented(
+                gb_type="torch_patches: saved_tensors_hooks under disable_saved_tensors_hooks",
+                context=message,
+                explanation=f"saved_tensors_hooks entered while saved tensors hooks are disabled: {message}",
+                hints=[],
+            )
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.fx.traceback.annotate({SCOPE_KEY: self.scope_key}))
+        stack.enter_context(torch.fx.traceback.preserve_node_meta())
+        self._first_node = tx.output.graph._root.prev  # the last node before the scope
+        self.set_cleanup_hook(tx, stack.close)
+        return variables.ConstantVariable.create(None)
+
+    def exit(self, tx: Any, *args: VariableTracker) -> VariableTracker:
+        from torch._dynamo.exc import unimplemented
+
+        disabled = _disable_inside(tx, self._first_node)
+        result = super().exit(tx, *args)
+        if disabled is not None:
+            # Eager raises when disable_saved_tensors_hooks is entered under active hooks.
+            unimplemented(
+                gb_type="torch_patches: disable_saved_tensors_hooks inside saved_tensors_hooks",
+                context=str(disabled),
+                explanation=(
+                    "disable_saved_tensors_hooks entered inside a saved_tensors_hooks scope "
+                    f"(eager raises: {disabled})"
+                ),
+                hints=[],
+            )
+        return result
+
+    def supports_graph_breaks(self) -> bool:
+        # The scope cannot be rebuilt in a resume function: a graph break inside it runs
+        # the whole frame eagerly (with eager hooks), an error under fullgraph=True.
+        return False
+
+    def module_name(self) -> str:
+        return "torch.autograd.graph"
+
+    def fn_name(self) -> str:
+        return "saved_tensors_hooks"
+
+    def python_type(self) -> type:
+        return torch.autograd.graph.saved_tensors_hooks
+
+    def reconstruct_type(self, codegen: Any) -> None:
+        from torch._dynamo.exc import unimplemented
+
+        unimplemented(
+            gb_type="torch_patches: saved_tensors_hooks escaped the compiled region",
+            context=str(self),
+            explanation="an in-graph saved_tensors_hooks scope cannot be returned or graph-broken out of",
+            hints=[],
+        )
+
+
+def _disable_inside(tx: Any, first: fx.Node | None) -> Any:
+    """The message of a disable_saved_tensors_hooks traced since ``first``, if any."""
+    disable = torch._C._autograd._saved_tensors_hooks_disable
+    root = tx.output.graph._root
+    node = first.next if first is not None else root.next
+    while node is not root:
+        if node.target is disable:
+            return node.args[0] if node.args else ""
+        node = node.next
+    return None
+
+
+def _scope_stand_in(key: str) -> None:
+    """Stands for an in-graph hooks scope in the compile caches' key; never run."""
+    raise RuntimeError("saved tensors hooks scope subgraphs are cache keys, never run")
+
+
+def _register_scope(tx: Any, pair: Any) -> str:
+    """Register ``pair`` for the inliner; install its cache-key stand-in on the graph."""
+    from torch_patches._functorch._aot_autograd import graph_compile
+
+    digests = [hook_utils.hook_cache_hash(fn) for fn in (pair.pack, pair.unpack)]
+    reasons = [r for _, rs in digests for r in rs]
+    if reasons:
+        # No digest valid across processes: a key that can never hit, and no cache entry.
+        key = f"local-{uuid.uuid4().hex}"
+        graph_compile.mark_not_cacheable(
+            f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
+        )
+    else:
+        key = "scope-" + hook_utils._digest(tuple(d for d, _ in digests))
+    output = tx.output
+    installed: dict[str, Any] = output.__dict__.setdefault("_torch_patches_scopes", {})
+    if key not in installed:
+        graph = fx.Graph()
+        graph.output(graph.call_function(_scope_stand_in, (key,)))
+        name = output.install_subgraph(
+            "saved_tensors_hooks_scope",
+            fx.GraphModule(torch.nn.Module(), graph, class_name="saved_tensors_hooks_scope"),
+        )
+        names = output.saved_tensors_hooks_subgraph_names
+        if names is None:
+            output.saved_tensors_hooks_subgraph_names = names = []
+        names.append(name)
+        installed[key] = graph_compile.HookPair(pair.pack, pair.unpack, name)
+        _scopes[key] = installed[key]
+    return key

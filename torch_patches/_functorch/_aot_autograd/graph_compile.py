@@ -95,6 +95,33 @@ def _compile_id() -> Any:
     return CompileContext.current_compile_id()
 
 
+_warned: set[str | None] = set()
+
+
+def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> None:
+    """Warn that a hook could not be inlined: once per hook in a process.
+
+    A hook entered inside a region is reported when Dynamo enters it; the block then runs
+    eagerly and its graph sees the same hook as ambient: one warning covers both.
+    """
+    key = error.hook
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"torch_patches: {error}. {consequence}. Compile with fullgraph=True to make "
+        "this an error.",
+        stacklevel=3,
+    )
+
+
+def mark_not_cacheable(reason: str) -> None:
+    """The compilation in progress must not be saved to AOTAutogradCache."""
+    log.info("not cacheable: %s", reason)
+    with _fallback_lock:
+        _fallback_ids.add(_compile_id())
+
+
 def take_fell_back() -> bool:
     """Whether the compilation in progress (by Dynamo compile id) fell back to eager hooks.
 
@@ -133,16 +160,21 @@ def _ambient_pair() -> HookPair | None:
     return HookPair(hooks[0], hooks[1], "ambient")
 
 
-def hooks_for_node(node: fx.Node, ambient: HookPair | None) -> HookPair | None:
-    """Hooks of the scope the op that produced ``node`` ran in (eager's rule).
+def hooks_for_saved(
+    saved: fx.Node,
+    bw_input: fx.Node | None,
+    bw_order: dict[fx.Node, int],
+    ambient: HookPair | None,
+) -> HookPair | None:
+    """The hooks a saved tensor takes: those of the scope the op that saved it ran in.
 
     In-graph scopes (``saved_tensors_hooks`` entered inside the compiled region) are
-    recorded on nodes by the Dynamo patches; everything else takes the hooks active
-    around the compiled call.
+    recorded on nodes by the Dynamo patch (see ``scope_of`` for the rule); a saved tensor
+    outside every in-graph scope takes the hooks active around the compiled call.
     """
     from torch_patches._dynamo.variables import ctx_manager as scopes
 
-    scope = scopes.scope_of(node)
+    scope = scopes.scope_of(saved, bw_input, bw_order)
     if scope is scopes.NO_SCOPE:
         return ambient
     return scope
@@ -205,18 +237,45 @@ def _dynamo_fullgraph() -> bool:
     return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
 
 
-def _describe_trace_error(e: BaseException) -> str:
+_BRANCHES = ("if ", "elif ", "while ", "assert ")
+
+
+def _hook_line(e: BaseException, fn: Any) -> tuple[str, int, str] | None:
+    """(file, line, source) of the hook's own line the error came from, if any."""
+    import linecache
+
+    code = getattr(fn, "__code__", None)
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            found = (code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    return (*found, linecache.getline(*found).strip())
+
+
+def _describe_trace_error(e: BaseException, fn: Any = None) -> str:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    if isinstance(e, GuardOnDataDependentSymNode):
-        return "it branches on a tensor's values (data-dependent Python control flow)"
-    if isinstance(e, DataDependentOutputException):
-        return "it reads a tensor's values into Python (.item(), .tolist(), ...)"
+    where = _hook_line(e, fn)
+    at = f" (at {where[0]}:{where[1]}: {where[2]})" if where else ""
+    if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
+        # Which one a value read raises depends on the fake mode's settings; the hook's
+        # line tells a Python branch on values from a value read into Python.
+        if isinstance(e, GuardOnDataDependentSymNode) or (where and where[2].startswith(_BRANCHES)):
+            return f"it branches on a tensor's values (data-dependent Python control flow){at}"
+        return f"it reads a tensor's values into Python (.item(), .tolist(), ...){at}"
     if isinstance(e, DynamicOutputShapeException):
-        return "it has an output whose shape depends on tensor values"
+        return f"it has an output whose shape depends on tensor values{at}"
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"tracing it raised {type(e).__name__}: {first}"
+    return f"tracing it raised {type(e).__name__}: {first}{at}"
+
+
+class _NotTraceableOutput(Exception):
+    """A hook returned something the graphs cannot carry."""
 
 
 @dataclasses.dataclass
@@ -233,8 +292,8 @@ def _trace_hook(
     aot_config: Any,
     role: str,
     pair: HookPair,
-    saved: fx.Node,
-    bw_graph: fx.Graph,
+    saved: fx.Node | None,
+    bw_graph: fx.Graph | None,
 ) -> _Traced:
     """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions."""
     from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
@@ -244,17 +303,24 @@ def _trace_hook(
     flat, spec = pytree.tree_flatten(example)
 
     def flat_fn(*args: Any) -> Any:
-        return fn(pytree.tree_unflatten(list(args), spec))
+        out = fn(pytree.tree_unflatten(list(args), spec))
+        for leaf in pytree.tree_leaves(out):
+            if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES, *py_sym_types)):
+                raise _NotTraceableOutput(
+                    f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
+                )
+        return out
 
     hook = hook_utils.hook_name(fn)
 
     def fail(reason: str, cause: BaseException | None = None) -> SavedTensorsHookError:
-        err = SavedTensorsHookError(
-            f"{role} hook {hook} cannot be inlined for saved tensor {saved.name!r} "
-            f"({_describe_val(saved.meta.get('val'))}): {reason}",
-            hook=hook,
-            reason=reason,
+        where = "" if saved is None else (
+            f" for saved tensor {saved.name!r} ({_describe_val(saved.meta.get('val'))})"
         )
+        err = SavedTensorsHookError(
+            f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason
+        )
+        err.scope = pair.label  # type: ignore[attr-defined]
         err.__cause__ = cause
         return err
 
@@ -263,24 +329,32 @@ def _trace_hook(
         with (
             gc._saved_tensor_hook_context(
                 {"_fw_graph": saved.graph, "_bw_graph": bw_graph, "_node": saved}
+                if saved is not None
+                else {}
             ),
             _disable_saved_tensors_hooks_during_tracing(),
             _no_side_effects(fn) as effects,
         ):
             gm = make_fx(
                 torch.func.functionalize(flat_fn, remove="mutations"),
-                decomposition_table=aot_config.decompositions,
+                decomposition_table=getattr(aot_config, "decompositions", None),
                 record_module_stack=True,
             )(*flat)
     except SavedTensorsHookError:
         raise
+    except _NotTraceableOutput as e:
+        raise fail(str(e)) from None
     except Exception as e:  # noqa: BLE001 - every tracing failure is reported
-        raise fail(_describe_trace_error(e), e) from e
+        raise fail(_describe_trace_error(e, fn), e) from e
     if effects:
         raise fail(f"it has side effects ({'; '.join(effects)})")
     if before is not None and _purity_key(fn) != before:
         raise fail("it mutates state it captures (a global, closure cell or captured tensor)")
 
+    if gm.graph.find_nodes(op="call_function", target=torch.ops.aten._local_scalar_dense.default):
+        # Traceable as an unbacked symbol, but a device-to-host sync per saved tensor and
+        # a graph that depends on tensor values: not what a saved-tensors hook should do.
+        raise fail("it reads a tensor's values into Python (.item(), .tolist(), ...)")
     placeholders = gm.graph.find_nodes(op="placeholder")
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
@@ -306,6 +380,27 @@ def _trace_hook(
     return _Traced(gm, out_args, out_vals)
 
 
+def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
+    """Trace ``pair`` on a stand-in activation (fake float32[4, 8]); the error, if any.
+
+    Run by Dynamo when a scope is entered inside a compiled region, so an untraceable
+    hook is reported (or graph-broken around) before the region is compiled. The inliner
+    traces again on each real saved tensor.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # With a ShapeEnv, as in AOTAutograd: the same failures, for the same reasons.
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        example = torch.empty(4, 8)
+    try:
+        packed = _trace_hook(pair.pack, example, aot_config=None, role="pack", pair=pair, saved=None, bw_graph=None)
+        _trace_hook(pair.unpack, packed.out_vals, aot_config=None, role="unpack", pair=pair, saved=None, bw_graph=None)
+    except SavedTensorsHookError as e:
+        return e
+    return None
+
+
 def _purity_key(fn: Any) -> Any:
     # Plain functions can read (and so mutate) globals and closures; GraphModules cannot.
     if isinstance(fn, torch.fx.GraphModule):
@@ -314,6 +409,9 @@ def _purity_key(fn: Any) -> Any:
         return hook_utils.content_key(fn)
     except Exception:  # noqa: BLE001
         return None
+
+
+_MODULE_FILES = (".py", ".pyc", ".so", ".pyd")
 
 
 class _SideEffectProbe:
@@ -336,7 +434,7 @@ class _SideEffectProbe:
         records = getattr(cls._active, "records", None)
         if records is None:
             return
-        if event == "open" and args and isinstance(args[0], str) and args[0].endswith(".py"):
+        if event == "open" and args and isinstance(args[0], str) and args[0].endswith(_MODULE_FILES):
             return  # imports and source lookups, not the hook's I/O
         if event.startswith(cls._EVENTS) and not event.startswith("os.listdir"):
             records.append(event)
@@ -533,13 +631,18 @@ def maybe_inline_graph_saved_tensors_hooks(
             ambient,
         )
     except SavedTensorsHookError as e:
-        if ambient is None or _dynamo_fullgraph() or config.untraceable_hook == "error":
+        in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
+        if (
+            ambient is None
+            or in_graph_scope  # trial-traced when entered; no eager hooks to fall back to
+            or _dynamo_fullgraph()
+            or config.untraceable_hook == "error"
+        ):
             raise
-        warnings.warn(
-            f"torch_patches: {e}. Falling back to eager saved-tensors hooks for this "
-            "graph (results stay correct; memory is saved only as eager hooks save it). "
-            "Compile with fullgraph=True to make this an error.",
-            stacklevel=2,
+        warn_untraceable_once(
+            e,
+            "Falling back to eager saved-tensors hooks for this graph (results stay "
+            "correct; memory is saved only as eager hooks save it)",
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
@@ -569,7 +672,10 @@ def _inline(
         for n in saved_all
         if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
     ]
-    candidates = [(n, hooks_for_node(n, ambient)) for n in saved_tensors]
+    bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
+    candidates = [
+        (n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors
+    ]
     candidates = [(n, p) for n, p in candidates if p is not None]
     if not candidates:
         return
