@@ -33,7 +33,21 @@ from typing import Any
 MODES = ("no-hooks", "eager-hooks", "stock-inline", "ours")
 
 #: torch_patches.hooks factories the benchmark can run (besides the plain bf16/fp8 casts).
-LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise")
+LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise", "cpu_offload")
+
+#: Composed library hooks: name -> factory names, chained with ``torch_patches.hooks.chain``.
+COMPOSED_HOOKS = {"fp8_rowwise+cpu_offload": ("fp8_rowwise", "cpu_offload")}
+
+#: Composed hooks stock inlining cannot take: cpu_offload's pack reads ``x.stride()`` into a
+#: list (to restore strides), which ``fx.symbolic_trace`` cannot turn into a GraphModule.
+_NO_STOCK_INLINE = {"fp8_rowwise+cpu_offload"}
+
+
+def skip_reason(case: Case) -> str | None:
+    """Why a case is not run (shown in the table), or None."""
+    if case.mode == "stock-inline" and case.hook in _NO_STOCK_INLINE:
+        return "no GraphModule form (cpu_offload's pack reads x.stride() into a list)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +138,22 @@ def _cast_hooks(dtype: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
     return pack, unpack
 
 
+def _stock_offload_hooks(device: Any) -> tuple[Any, Any]:
+    import torch
+    import torch.fx
+
+    import torch_patches.hooks.offload  # noqa: F401 - registers torch.ops.torch_patches
+
+    def pack(x: Any) -> Any:
+        return torch.ops.torch_patches.offload(x, True)
+
+    def unpack(cpu: Any) -> Any:
+        ops = torch.ops.torch_patches
+        return ops.reload_wait(ops.reload_start(cpu, device), cpu, device)
+
+    return torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
+
+
 def make_hooks(case: Case) -> tuple[Any, Any] | None:
     import torch
     import torch.fx
@@ -132,13 +162,19 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
         return None
     import torch_patches.hooks as library
 
+    if case.hook == "cpu_offload" and case.mode == "stock-inline":
+        # The same ops as GraphModules, for stock inlining (which places every offload at
+        # the forward's end and every reload at the backward's start).
+        return _stock_offload_hooks(torch.device(case.device))
     if case.hook == "bf16":
         pack, unpack = _cast_hooks(torch.bfloat16)
     elif case.hook == "fp8":
         pack, unpack = _cast_hooks(torch.float8_e4m3fn)
-    elif case.hook in LIBRARY_HOOKS:
-        # Ready-made hooks (marked inlineable): "ours" inlines them as they are.
-        pack, unpack = getattr(library, case.hook)()
+    elif case.hook in LIBRARY_HOOKS or case.hook in COMPOSED_HOOKS:
+        # Ready-made hooks (marked inlineable): "ours" inlines them as they are; without
+        # torch_patches applied (the other modes) marked functions stay Python hooks.
+        names = COMPOSED_HOOKS.get(case.hook, (case.hook,))
+        pack, unpack = library.chain(*(getattr(library, n)() for n in names))
         if case.mode == "ours":
             return pack, unpack
     else:
@@ -242,6 +278,9 @@ def run_case(case: Case) -> dict[str, Any]:
 
 
 def run_in_subprocess(case: Case, timeout: float = 900) -> dict[str, Any]:
+    reason = skip_reason(case)
+    if reason is not None:
+        return {"case": dataclasses.asdict(case), "label": case.label, "skipped": reason}
     env = dict(os.environ)
     # Fixed mmap threshold: large tensors are mmap-backed and their memory really
     # leaves the RSS when freed (glibc's dynamic threshold would keep it).
@@ -281,11 +320,11 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
     base = {}
     for r in results:
         c = r["case"]
-        if c["mode"] == "no-hooks" and "error" not in r:
+        if c["mode"] == "no-hooks" and "error" not in r and "skipped" not in r:
             base[(c["model"], c["backend"])] = r
     for r in results:
         b = base.get((r["case"]["model"], r["case"]["backend"]))
-        if b is None or "error" in r:
+        if b is None or "error" in r or "skipped" in r:
             continue
         r["peak_ratio"] = r["peak_bytes"] / max(b["peak_bytes"], 1)
         r["time_ratio"] = r["step_s"] / b["step_s"]
@@ -294,7 +333,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
-        f"{'model':12s} {'backend':9s} {'hook':12s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} "
+        f"{'model':12s} {'backend':9s} {'hook':23s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} "
         f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s}"
     )
     lines = [header, "-" * len(header)]
@@ -302,10 +341,13 @@ def format_table(results: list[dict[str, Any]]) -> str:
         c = r["case"]
         hook = "-" if c["mode"] == "no-hooks" else c["hook"]
         if "error" in r:
-            lines.append(f"{c['model']:12s} {c['backend']:9s} {hook:12s} {c['mode']:13s} ERROR {r['error']}")
+            lines.append(f"{c['model']:12s} {c['backend']:9s} {hook:23s} {c['mode']:13s} ERROR {r['error']}")
+            continue
+        if "skipped" in r:
+            lines.append(f"{c['model']:12s} {c['backend']:9s} {hook:23s} {c['mode']:13s} skipped: {r['skipped']}")
             continue
         lines.append(
-            f"{c['model']:12s} {c['backend']:9s} {hook:12s} {c['mode']:13s} "
+            f"{c['model']:12s} {c['backend']:9s} {hook:23s} {c['mode']:13s} "
             f"{r['peak_bytes'] / 2**20:9.1f} {r.get('peak_ratio', float('nan')):7.2f} "
             f"{r['step_s'] * 1e3:9.1f} {r.get('time_ratio', float('nan')):7.2f} "
             f"{r.get('time_ratio_min', float('nan')):7.2f} {r['frames_compiled']:6d}"
@@ -340,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", default="mlp8", help="comma list: mlp8, transformer")
     parser.add_argument("--backends", default="aot_eager,inductor")
-    parser.add_argument("--hooks", default="bf16,fp8", help="bf16, fp8, or torch_patches.hooks names")
+    parser.add_argument(
+        "--hooks",
+        default="bf16,fp8",
+        help="bf16, fp8, torch_patches.hooks names (fp8_rowwise, int8_rowwise, cpu_offload) "
+        "or fp8_rowwise+cpu_offload (chained)",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--batch", type=int, default=None)

@@ -36,6 +36,15 @@ hook_placement: str = "use"
 # A distance > 0 lets a reload (CPU offload) overlap with the compute before it.
 unpack_prefetch_distance: int = 0
 
+# How many backward nodes before its first use a *reload* is started: unpack graphs that
+# call torch.ops.torch_patches.reload_start (cpu_offload(), chains ending in it) have
+# their reload_start nodes (and what they depend on) placed
+# max(unpack_prefetch_distance, reload_prefetch_distance) nodes before the first use, and
+# the rest (reload_wait onwards) right before it, so the host-to-device copy overlaps the
+# compute in between. Larger: more overlap, but the reloaded tensor occupies device
+# memory earlier. Every other hook ignores it.
+reload_prefetch_distance: int = 4
+
 # Which saved tensors user hooks see, inlined or not.
 #  "float" (default): floating-point (and complex) saved tensors only. Masks, indices
 #      and other integer/bool tensors are saved as they are; the compiler's partitioner

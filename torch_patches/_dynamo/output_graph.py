@@ -38,6 +38,7 @@ def _compile_config_key() -> str:
         (
             config.hook_placement,
             config.unpack_prefetch_distance,
+            config.reload_prefetch_distance,
             config.hooked_saved_tensor_dtypes,
             config.validate_unpack,
         )

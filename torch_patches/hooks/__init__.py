@@ -16,8 +16,11 @@ otherwise the graph keeps eager hook semantics with one warning. Outside a compi
 the functions run as ordinary eager hooks.
 
 Ready-made pairs (``torch_patches.hooks.compress``), all marked inlineable: ``bf16()``,
-``fp8_rowwise(dtype)``, ``int8_rowwise()`` and ``chain(first, second, ...)`` to compose
-pairs (compress, then offload).  Each documents its error bound.
+``fp8_rowwise(dtype)``, ``int8_rowwise()``, ``chain(first, second, ...)`` to compose
+pairs (compress, then offload), and ``cpu_offload(pin_memory)``
+(``torch_patches.hooks.offload``: moves saved tensors to host memory in the forward and
+back in the backward, with the reload issued ahead of its use).  Each documents its error
+bound.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "bf16",
     "cache_hash",
     "chain",
+    "cpu_offload",
     "fp8_rowwise",
     "inlineable",
     "int8_rowwise",
@@ -80,3 +84,4 @@ from torch_patches.hooks.compress import (  # noqa: E402
     fp8_rowwise,
     int8_rowwise,
 )
+from torch_patches.hooks.offload import cpu_offload  # noqa: E402

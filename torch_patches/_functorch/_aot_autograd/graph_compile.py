@@ -527,11 +527,15 @@ def _copy_into(
     env: dict[fx.Node, Any],
     names: dict[fx.Node, str],
     tag: dict[str, str],
+    only: set[fx.Node] | None = None,
 ) -> list[fx.Node]:
-    """Copy ``src``'s body (no placeholders/output) at the graph's insert point."""
+    """Copy ``src``'s body (no placeholders/output; only the nodes in ``only``, when
+    given, and those not copied yet) at the graph's insert point."""
     new_nodes = []
     for node in src.graph.nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output") or node in env:
+            continue
+        if only is not None and node not in only:
             continue
         target = node.target
         if node.op == "get_attr":
@@ -883,6 +887,28 @@ def _insert_pack(
     return leaves
 
 
+def _reload_start_closure(gm: fx.GraphModule) -> set[fx.Node]:
+    """``torch_patches::reload_start`` calls in an unpack graph and the nodes they depend on.
+
+    Placeholders excluded: they become backward inputs, placed at the top anyway.  Empty
+    when the graph starts no reload (every hook but ``cpu_offload`` and chains ending in it).
+    """
+    ns = getattr(torch.ops, "torch_patches", None)
+    op = getattr(ns, "reload_start", None) if ns is not None else None
+    if op is None:  # torch_patches.hooks.offload never imported: no graph can call it
+        return set()
+    targets = (op, op.default)
+    found: set[fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+    while stack:
+        node = stack.pop()
+        if node in found or node.op == "placeholder":
+            continue
+        found.add(node)
+        stack.extend(node.all_input_nodes)
+    return found
+
+
 def _insert_unpack(
     plan: _SavedPlan,
     bw_module: fx.GraphModule,
@@ -926,6 +952,18 @@ def _insert_unpack(
     out_arg = gm.graph.output_node().args[0]
     (out_node,) = pytree.tree_leaves(out_arg)
     names = {out_node: _unique((fw_g, bw_g), f"{plan.saved.name}_unpacked")}
+    early = _reload_start_closure(gm)
+    if early:
+        # Split reload (cpu_offload): the host-to-device copies start ahead of the use, so
+        # they overlap the backward compute in between; the rest (reload_wait onwards)
+        # goes right before the use as usual.
+        # (unpack_prefetch_distance moves the whole unpack of other hooks; here it moves
+        # only the copy's start: waiting early would gain nothing.)
+        distance = max(config.unpack_prefetch_distance, config.reload_prefetch_distance)
+        early_before = _backward_insert_before(bw_input, order, placement, distance)
+        before = _backward_insert_before(bw_input, order, placement, 0)
+        with bw_g.inserting_before(early_before):
+            _copy_into(bw_g, bw_module, gm, env, names, tag, only=early)
     with bw_g.inserting_before(before):
         _copy_into(bw_g, bw_module, gm, env, names, tag)
         result = env[out_node]

@@ -1,0 +1,344 @@
+"""In-graph CPU activation offload: the ``torch_patches::offload`` / ``reload_*`` ops and
+:func:`cpu_offload`.
+
+Three custom ops (``torch.library.custom_op``, namespace ``torch_patches``), with fake
+implementations so they trace under make_fx, Dynamo, AOTAutograd and Inductor (which runs
+them as fallback kernels, where the inliner placed them):
+
+``offload(Tensor src, bool pin_memory) -> Tensor``
+    A CPU copy of ``src``, with ``src``'s strides when ``src`` is dense (``empty_like``).
+``reload_start(Tensor cpu, Device device, SymInt[]? stride=None) -> Tensor``
+    Starts copying ``cpu`` to ``device`` (into a tensor with strides ``stride``, default
+    ``cpu``'s); returns a *ticket*: a 0-d int64 CPU tensor naming the copy in flight.  The
+    destination tensor is held by the op, not returned.
+``reload_wait(Tensor ticket, Tensor cpu, Device device, SymInt[]? stride=None) -> Tensor``
+    Waits for the copy ``ticket`` names and returns its destination, a tensor on ``device``
+    like ``cpu`` (with strides ``stride``).
+
+On CPU tensors (``src`` on the CPU, ``device == cpu``) the ops are plain synchronous copies:
+results are bit-identical, no memory is saved (useful for tests and for the graphs).
+
+CUDA (written without a GPU to run it on; see the test file's CUDA-only tests):
+
+* one side stream per device does every copy, so a reload is ordered after the offload that
+  wrote its input without any host synchronisation;
+* ``offload``: ``side.wait_stream(current)`` (``src`` is complete), the device-to-host copy
+  into pinned memory (``pin_memory=True``; pageable memory makes the copy synchronous) on
+  ``side``, then ``src.record_stream(side)``: when ``src`` is freed, the caching allocator
+  does not hand its block to another allocation before the copy is done.  The returned CPU
+  tensor is complete only once ``side`` has run the copy: the only consumer that may read it
+  is ``reload_start`` (stream-ordered).  So ``cpu_offload()`` must be the *last* pair of a
+  :func:`~torch_patches.hooks.chain`, never followed by a pair that computes on the CPU
+  tensor;
+* Inductor's buffer reuse: Inductor plans memory for one stream.  Once ``offload`` returns,
+  Inductor considers ``src`` dead and may hand its buffer to a later kernel (``buf7 = buf3``)
+  or write a fused kernel's output into it in place, while ``side`` still reads it.  The
+  caching allocator never sees that reuse, so ``record_stream`` cannot protect it.  We
+  register an Inductor lowering for ``offload`` (the ordinary fallback kernel) that adds the
+  buffer ``src`` lives in to ``V.graph.never_reuse_buffers``, the set Inductor already keeps
+  for buffers read asynchronously (as for its collectives): Inductor then frees it with
+  ``del`` (back to the caching allocator, protected by ``record_stream``) instead of reusing
+  it.  The forward never waits for the device-to-host copy, so it overlaps the compute that
+  follows.  (The alternative, making the current stream wait for the copy at a later point,
+  would need a second forward op placed by the inliner and still lose overlap at that point.)
+* ``reload_start``: on ``side``, allocates the destination (so the block belongs to ``side``)
+  and copies host-to-device (``non_blocking``), records an event;
+* ``reload_wait``: ``current.wait_event(event)`` and ``dst.record_stream(current)`` (``dst``
+  was allocated on ``side`` and is used and freed on the current stream).  The host never
+  blocks.
+
+Why a ticket instead of ``reload_start`` returning the destination and ``reload_wait(dst)``
+returning it again: an op made with ``torch.library.custom_op`` must return tensors that do
+not alias its inputs (torch checks it at run time).  The ways around it all cost or break
+something: a mutating ``reload_wait(Tensor(a!) dst)`` is functionalized into
+``auto_functionalized``, which outside Inductor's reinplacing *clones* ``dst`` (a copy on
+aot_eager, and one that reads ``dst`` on the current stream *before* the wait: a race); a
+view-returning op (``Tensor(a) -> Tensor(a)``) is not supported by every torch we support
+and leaves Inductor reasoning about an alias of a buffer another stream writes.  With the
+ticket, the destination is a fresh tensor from the graph's point of view when
+``reload_wait`` returns it, which is exactly when it becomes valid; the data dependency
+ticket -> ``reload_wait`` keeps the two ops ordered, and ``reload_wait`` takes ``cpu`` and
+``device`` so its fake implementation knows the result's metadata (and ``cpu`` stays alive
+until the copy is waited for).
+
+The ops are pure from the graph's point of view (every output is used, nothing else is
+written), so no effect tokens are needed: they are not dead code, and data dependencies
+order offload after the saved tensor's producer, ``reload_start`` before ``reload_wait``
+and ``reload_wait`` before the first backward use.  Where between those the compiler puts
+``reload_start`` decides the overlap: the inliner puts it
+``max(config.unpack_prefetch_distance, config.reload_prefetch_distance)`` backward nodes
+before the first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_patches.hooks import inlineable
+
+
+__all__ = ["cpu_offload", "offload", "reload_start", "reload_wait"]
+
+_NS = "torch_patches"
+
+
+# ------------------------------------------------------------------------ streams
+
+_streams_lock = threading.Lock()
+_side_streams: dict[int, Any] = {}
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The per-device stream every offload/reload copy of that device runs on."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        stream = _side_streams.get(index)
+        if stream is None:
+            stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+# ------------------------------------------------------------------------ offload
+
+
+def _host_like(src: Tensor, pin_memory: bool) -> Tensor:
+    # empty_like keeps src's strides when src is dense and non-overlapping (the fake
+    # implementation computes the same), else it is contiguous.
+    return torch.empty_like(src, device="cpu", pin_memory=pin_memory)
+
+
+@torch.library.custom_op(f"{_NS}::offload", mutates_args=())
+def offload(src: Tensor, pin_memory: bool) -> Tensor:
+    """Copy ``src`` to host memory (pinned when ``pin_memory`` and ``src`` is on CUDA).
+
+    On CUDA the copy is asynchronous, on the device's side stream; see the module docstring
+    for what keeps ``src`` intact until it is done.
+    """
+    if not _is_cuda(src.device):
+        # CPU (and devices without a stream path): a synchronous copy.
+        out = _host_like(src, pin_memory=False)
+        out.copy_(src)
+        return out
+    side = _side_stream(src.device)
+    out = _host_like(src, pin_memory=pin_memory)
+    side.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(side):
+        # Pageable host memory makes this copy synchronous (non_blocking is ignored).
+        out.copy_(src, non_blocking=pin_memory)
+    src.record_stream(side)
+    return out
+
+
+@offload.register_fake
+def _offload_fake(src: Tensor, pin_memory: bool) -> Tensor:
+    return torch.empty_like(src, device="cpu")
+
+
+# ------------------------------------------------------------------------- reload
+
+
+@dataclasses.dataclass
+class _InFlight:
+    dst: Tensor
+    event: Any  # torch.cuda.Event, None for synchronous copies
+    src: Tensor  # the host tensor, kept alive until the copy is waited for
+
+
+_tickets = itertools.count()
+_in_flight: dict[int, _InFlight] = {}
+
+
+def _device_like(cpu: Tensor, device: torch.device, stride: list[int] | None) -> Tensor:
+    if stride is None:
+        return torch.empty_like(cpu, device=device)
+    return torch.empty_strided(cpu.shape, stride, dtype=cpu.dtype, device=device)
+
+
+@torch.library.custom_op(f"{_NS}::reload_start", mutates_args=())
+def reload_start(
+    cpu: Tensor, device: torch.device, stride: list[int] | None = None
+) -> Tensor:
+    """Start copying host tensor ``cpu`` to ``device``; returns the copy's ticket.
+
+    The destination has strides ``stride`` (``None``: ``cpu``'s).  The ticket is a 0-d
+    int64 CPU tensor; pass it to :func:`reload_wait` (exactly once).
+    """
+    ticket = next(_tickets)
+    if not _is_cuda(device):
+        dst = _device_like(cpu, device, stride)
+        dst.copy_(cpu)
+        _in_flight[ticket] = _InFlight(dst, None, cpu)
+    else:
+        side = _side_stream(device)
+        with torch.cuda.stream(side):
+            # Allocated on side: the caching allocator gives a block free for side's use.
+            dst = _device_like(cpu, device, stride)
+            dst.copy_(cpu, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        _in_flight[ticket] = _InFlight(dst, event, cpu)
+    return torch.tensor(ticket, dtype=torch.int64)
+
+
+@reload_start.register_fake
+def _reload_start_fake(
+    cpu: Tensor, device: torch.device, stride: list[int] | None = None
+) -> Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op(f"{_NS}::reload_wait", mutates_args=())
+def reload_wait(
+    ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None
+) -> Tensor:
+    """Wait for the copy ``ticket`` names (started by :func:`reload_start`); return it.
+
+    On CUDA the *current stream* waits (an event), not the host; the result may then be used
+    on the current stream like any tensor.
+    """
+    key = int(ticket.item())  # a CPU tensor: no device synchronisation
+    entry = _in_flight.pop(key, None)
+    if entry is None:
+        raise RuntimeError(
+            f"torch_patches::reload_wait: no reload in flight for ticket {key} "
+            "(each reload_start ticket is waited for exactly once)"
+        )
+    if entry.event is not None:
+        current = torch.cuda.current_stream(entry.dst.device)
+        current.wait_event(entry.event)
+        entry.dst.record_stream(current)
+    return entry.dst
+
+
+@reload_wait.register_fake
+def _reload_wait_fake(
+    ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None
+) -> Tensor:
+    return _device_like(cpu, device, stride)
+
+
+# ----------------------------------------------------------------------- Inductor
+
+_lowering_lock = threading.Lock()
+_lowering_registered = False
+
+
+def register_inductor_lowering() -> None:
+    """Make Inductor keep the buffer ``offload`` reads out of its buffer reuse.
+
+    Idempotent.  The lowering is Inductor's ordinary fallback kernel for the op, plus
+    ``V.graph.never_reuse_buffers`` for every buffer the kernel reads (see the module
+    docstring: the device-to-host copy still reads it after the op returns).
+    """
+    global _lowering_registered
+    with _lowering_lock:
+        if _lowering_registered:
+            return
+        from torch._inductor import lowering as inductor_lowering
+
+        op = torch.ops.torch_patches.offload.default
+        if op not in inductor_lowering.lowerings:
+            fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
+
+            def _lower_offload(src: Any, pin_memory: bool) -> Any:
+                from torch._inductor.virtualized import V
+
+                out = fallback(src, pin_memory)
+                for name in _read_buffer_names(out, src):
+                    V.graph.never_reuse_buffers.add(name)
+                return out
+
+            inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
+        _lowering_registered = True
+
+
+def _read_buffer_names(out: Any, src: Any) -> list[str]:
+    """Names of the buffers the offload fallback kernel reads (``src``'s, and any copy of
+    it the fallback realised)."""
+    from torch._inductor import ir
+
+    names: list[str] = []
+
+    def add(node: Any) -> None:
+        try:
+            name = node.get_name()
+        except Exception:  # noqa: BLE001 - constants and unnamed nodes read no buffer
+            return
+        if name not in names:
+            names.append(name)
+
+    add(src)
+    # The kernel object: out is TensorBox(StorageBox(MultiOutput | FallbackKernel)).
+    node = out
+    for _ in range(4):
+        if isinstance(node, ir.FallbackKernel):
+            for inp in node.inputs:
+                add(inp)
+            break
+        if isinstance(node, ir.MultiOutput):
+            node = node.inputs[0] if node.inputs else None
+            continue
+        node = getattr(node, "data", None)
+        if node is None:
+            break
+    return names
+
+
+# ---------------------------------------------------------------------- the hooks
+
+
+def _offload_pack(pin_memory: bool) -> Any:
+    def cpu_offload_pack(x: Tensor) -> Any:
+        # The strides too: a compiled backward given the unpacked tensor by Python hooks
+        # expects the saved tensor's exact strides, also for views with gaps (q of a qkv
+        # split); the host copy itself is compact.
+        return (torch.ops.torch_patches.offload(x, pin_memory), x.device, list(x.stride()))
+
+    return cpu_offload_pack
+
+
+def cpu_offload_unpack(packed: Any) -> Tensor:
+    """Unpack of :func:`cpu_offload`: start the reload, wait for it."""
+    cpu, device, stride = packed
+    ops = torch.ops.torch_patches
+    return ops.reload_wait(ops.reload_start(cpu, device, stride), cpu, device, stride)
+
+
+def cpu_offload(pin_memory: bool = True) -> tuple[Any, Any]:
+    """Hooks moving saved tensors to host memory in the forward, back in the backward.
+
+    Pack: ``(torch.ops.torch_patches.offload(x, pin_memory), x.device, x.stride())``; unpack:
+    ``reload_start`` then ``reload_wait`` back to that device.  Every saved tensor the hooks
+    see is moved, whatever its dtype (the copy is exact).  Inlined (``torch_patches.apply()``,
+    any backend, ``fullgraph=True`` included), the offload runs right after the saved
+    tensor's last forward use, ``reload_start`` ``max(config.unpack_prefetch_distance,
+    config.reload_prefetch_distance)`` backward nodes before its first backward use and
+    ``reload_wait`` right before it, so the host-to-device copy overlaps the compute in
+    between.  As eager hooks, unpack starts and waits at once.
+
+    On CUDA the copies run on a side stream into pinned host memory (``pin_memory=True``;
+    ``False`` uses pageable memory, which makes each device-to-host copy synchronous), and
+    neither the caching allocator nor Inductor reuses a saved tensor's memory before its
+    copy is done (module docstring of ``torch_patches.hooks.offload``).  On CPU tensors the
+    ops are plain copies: results unchanged, no memory saved.
+
+    Error bound: exact (``unpack(pack(x))`` equals ``x`` bit for bit, with its dtype, shape,
+    device and strides; the host copy is compact even when ``x`` is a view with gaps).  Device memory: none for the saved tensor
+    between its last forward and first backward use; host memory: its full size.
+
+    Compose it *last*: ``chain(fp8_rowwise(), cpu_offload())`` compresses, then offloads the
+    fp8 payload and its scales (a quarter of float32's transfer).  A pair chained after
+    ``cpu_offload()`` would read host tensors whose copy may still be in flight.
+    """
+    register_inductor_lowering()
+    return inlineable(_offload_pack(bool(pin_memory)), cpu_offload_unpack)
