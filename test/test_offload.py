@@ -357,10 +357,11 @@ class GraphModule(torch.nn.Module):
                     self.assertGradsEqual(grads, first, exact=True)
                 self.assertEqual(counter.frame_count, 1)
 
-    def test_inductor_never_reuses_offloaded_buffers(self, device: str) -> None:
+    def test_inductor_frees_offloaded_buffers_without_reuse(self, device: str) -> None:
         # On CUDA the device-to-host copy still reads an offloaded buffer after offload
         # returns: Inductor must not hand that buffer to a later kernel (`bufN = bufM;
-        # del bufM  # reuse`). mm outputs of one shape give it every opportunity.
+        # del bufM  # reuse`); mm outputs of one shape give it every opportunity. But it
+        # must free it right after the offload (`del bufM`), or nothing is saved.
         from torch._inductor.utils import run_and_get_code
 
         def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -384,6 +385,16 @@ class GraphModule(torch.nn.Module):
         self.assertTrue(offloaded, fw)
         reused = set(re.findall(r"= (buf\d+); del buf\d+  # reuse", fw))
         self.assertFalse(offloaded & reused, fw)
+        lines = fw.splitlines()
+        for buf in offloaded:
+            at = next(i for i, line in enumerate(lines) if re.search(rf"offload\.default\((reinterpret_tensor\()?{buf}\b", line))
+            freed = next((i for i, line in enumerate(lines) if line.strip() == f"del {buf}"), len(lines))
+            # Right after: before the next kernel runs (only asserts may come between).
+            between = [line.strip() for line in lines[at + 1 : freed]]
+            self.assertTrue(
+                freed < len(lines) and all(not re.search(r"cpp_fused|triton_|extern_kernels|\.default\(", b) for b in between),
+                f"{buf} not freed right after its offload:\n{fw}",
+            )
 
     def test_eager_hooks_exact(self, device: str) -> None:
         # Not compiled: the pair runs as ordinary saved-tensor hooks.

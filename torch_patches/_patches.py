@@ -35,6 +35,7 @@ _OG = "torch._dynamo.output_graph"
 _GU = "torch._dynamo.guards"
 _UD = "torch._dynamo.variables.user_defined"
 _CM = "torch._dynamo.variables.ctx_manager"
+_IW = "torch._inductor.codegen.wrapper"
 _TP = "torch_patches."
 
 
@@ -48,6 +49,7 @@ PATCHES: tuple[Patch, ...] = (
         retire_when="upstream accepts traceable non-GraphModule hooks (an opt-in marker)",
         fingerprints=_fp("aot.saved_tensors_hooks_are_inlineable"),
         issue=4,
+        tests=('test/test_hooks_library.py', 'test/test_inline_numerics.py', 'test/test_upstream_ports.py'),
     ),
     Patch(
         name="dynamo.install_saved_tensors_hooks_subgraphs",
@@ -60,6 +62,7 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_OG}:OutputGraph.install_subgraph",),
         after=("aot.saved_tensors_hooks_are_inlineable",),
         issue=4,
+        tests=('test/test_compile_cache.py',),
     ),
     Patch(
         name="dynamo.guard_saved_tensors_hooks_by_content",
@@ -71,6 +74,7 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("dynamo.guard_saved_tensors_hooks_by_content"),
         after=("dynamo.install_saved_tensors_hooks_subgraphs",),
         issue=4,
+        tests=('test/test_hook_guards.py',),
     ),
     Patch(
         name="dynamo.saved_tensors_hooks_in_region",
@@ -89,6 +93,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         after=("dynamo.guard_saved_tensors_hooks_by_content",),
         issue=5,
+        tests=('test/test_inscope_hooks.py', 'test/test_compile_cache.py'),
     ),
     Patch(
         name="aot.inline_saved_tensors_hooks",
@@ -106,6 +111,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         after=("aot.saved_tensors_hooks_are_inlineable",),
         issue=4,
+        tests=('test/test_inline_placement.py', 'test/test_inline_numerics.py', 'test/test_offload.py', 'test/test_upstream_ports.py'),
     ),
     Patch(
         name="aot.runtime_hooks_not_disabled_by_type",
@@ -117,6 +123,7 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("aot.runtime_hooks_not_disabled_by_type"),
         after=("aot.inline_saved_tensors_hooks",),
         issue=4,
+        tests=('test/test_hook_contract.py', 'test/test_upstream_ports.py'),
     ),
     Patch(
         name="aot.runtime_saved_tensors_hooks_context",
@@ -130,6 +137,7 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_RW}:_disable_saved_tensors_hooks",),
         after=("aot.runtime_hooks_not_disabled_by_type",),
         issue=9,
+        tests=('test/test_hook_contract.py',),
     ),
     Patch(
         name="aot.autograd_cache_skip_eager_fallback",
@@ -142,5 +150,19 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("aot.autograd_cache_skip_eager_fallback"),
         after=("aot.inline_saved_tensors_hooks",),
         issue=6,
+        tests=('test/test_compile_cache.py',),
+    ),
+    Patch(
+        name="inductor.free_without_reuse",
+        target=f"{_IW}:PythonWrapperCodegen.codegen_free",
+        replacement=f"{_TP}_inductor.codegen.wrapper:make_codegen_free",
+        wraps=True,
+        summary="[inductor] Free, but never reuse, buffers an op still reads asynchronously",
+        upstream=f"{_BLOB}torch/_inductor/codegen/wrapper.py",
+        retire_when="Inductor can mark a buffer as not reusable without keeping it alive to the end of the graph",
+        fingerprints=_fp("inductor.free_without_reuse"),
+        depends_on=(f"{_IW}:PythonWrapperCodegen.can_reuse", f"{_IW}:FreeLine.codegen"),
+        issue=7,
+        tests=("test/test_offload.py",),
     ),
 )

@@ -32,15 +32,15 @@ CUDA (written without a GPU to run it on; see the test file's CUDA-only tests):
   tensor;
 * Inductor's buffer reuse: Inductor plans memory for one stream.  Once ``offload`` returns,
   Inductor considers ``src`` dead and may hand its buffer to a later kernel (``buf7 = buf3``)
-  or write a fused kernel's output into it in place, while ``side`` still reads it.  The
-  caching allocator never sees that reuse, so ``record_stream`` cannot protect it.  We
-  register an Inductor lowering for ``offload`` (the ordinary fallback kernel) that adds the
-  buffer ``src`` lives in to ``V.graph.never_reuse_buffers``, the set Inductor already keeps
-  for buffers read asynchronously (as for its collectives): Inductor then frees it with
-  ``del`` (back to the caching allocator, protected by ``record_stream``) instead of reusing
-  it.  The forward never waits for the device-to-host copy, so it overlaps the compute that
-  follows.  (The alternative, making the current stream wait for the copy at a later point,
-  would need a second forward op placed by the inliner and still lose overlap at that point.)
+  while ``side`` still reads it; the caching allocator never sees that reuse, so
+  ``record_stream`` cannot protect it.  Inductor's own remedy, ``never_reuse_buffers``, also
+  keeps the buffer from being freed at all (alive to the end of the graph: no memory
+  saved).  We register an Inductor lowering for ``offload`` (the ordinary fallback kernel)
+  that marks the buffers it reads *free without reuse* (patch ``inductor.free_without_reuse``
+  in ``torch_patches/_inductor/codegen/wrapper.py``): a plain ``del`` at the op, back to the
+  caching allocator (held by ``record_stream`` until the copy is done), never a reuse
+  candidate.  The forward never waits for the device-to-host copy, so it overlaps the
+  compute that follows.
 * ``reload_start``: on ``side``, allocates the destination (so the block belongs to ``side``)
   and copies host-to-device (``non_blocking``), records an event;
 * ``reload_wait``: ``current.wait_event(event)`` and ``dst.record_stream(current)`` (``dst``
@@ -234,11 +234,13 @@ _lowering_registered = False
 
 
 def register_inductor_lowering() -> None:
-    """Make Inductor keep the buffer ``offload`` reads out of its buffer reuse.
+    """Make Inductor free the buffer ``offload`` reads without ever reusing it.
 
-    Idempotent.  The lowering is Inductor's ordinary fallback kernel for the op, plus
-    ``V.graph.never_reuse_buffers`` for every buffer the kernel reads (see the module
-    docstring: the device-to-host copy still reads it after the op returns).
+    Idempotent.  The lowering is Inductor's ordinary fallback kernel for the op; every
+    buffer the kernel reads is registered with
+    ``torch_patches._inductor.codegen.wrapper.free_without_reuse`` (the patch
+    ``inductor.free_without_reuse``; see the module docstring: the device-to-host copy
+    still reads it after the op returns).
     """
     global _lowering_registered
     with _lowering_lock:
@@ -251,11 +253,11 @@ def register_inductor_lowering() -> None:
             fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
 
             def _lower_offload(src: Any, pin_memory: bool) -> Any:
-                from torch._inductor.virtualized import V
+                from torch_patches._inductor.codegen.wrapper import free_without_reuse
 
                 out = fallback(src, pin_memory)
                 for name in _read_buffer_names(out, src):
-                    V.graph.never_reuse_buffers.add(name)
+                    free_without_reuse(name)
                 return out
 
             inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
