@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import types
@@ -42,6 +43,8 @@ def _snapshot_torch():
     return snap
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 class TestRecords(TestCase):
     apply_patches = False
 
@@ -55,6 +58,10 @@ class TestRecords(TestCase):
                 SUPPORTED_MINORS,
                 f"{patch.name} lacks fingerprints for some supported torch versions",
             )
+            # The Test Plan of its upstream commit: test files that exist.
+            self.assertTrue(patch.tests, f"{patch.name} names no tests")
+            for test in patch.tests:
+                self.assertTrue(os.path.exists(os.path.join(REPO, test)), f"{patch.name}: {test}")
 
     def test_validate_records_catches_problems(self):
         good = PATCHES[0]

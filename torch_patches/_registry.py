@@ -80,6 +80,7 @@ class Patch:
         torch_min / torch_max: inclusive (major, minor) band.
         after: names of patches this one builds on (order of the upstream stack).
         issue: the tracker issue that introduced it.
+        tests: our test files that exercise it (the Test Plan of its upstream commit).
     """
 
     name: str
@@ -95,6 +96,7 @@ class Patch:
     torch_max: tuple[int, int] = SUPPORTED_TORCH[1]
     after: tuple[str, ...] = ()
     issue: int | None = None
+    tests: tuple[str, ...] = ()
 
     @property
     def band(self) -> str:

@@ -60,7 +60,9 @@ class TestCase(torch._dynamo.test_case.TestCase):
         super().setUp()
         # "One warning per untraceable hook" holds per test, not only per process.
         graph_compile._warned.clear()
-        if self.apply_patches:
+        if upstream_form_config_map() is not None:
+            _use_upstream_form(self)  # torch's own sources hold the patches
+        elif self.apply_patches:
             torch_patches.apply()
             self.addCleanup(torch_patches.unapply)
         else:
@@ -242,3 +244,41 @@ def normalize_graph(gm: fx.GraphModule, *, mark_hooks: bool = True) -> str:
 def instantiate_device_type_tests(cls: type, scope: dict[str, Any]) -> None:
     """Generate ``<cls>CPU`` (always) and ``<cls>CUDA`` (when present) test classes."""
     _instantiate_device_type_tests(cls, scope, only_for=("cpu", "cuda"))
+
+
+# ----------------------------------------------------------------- upstream form
+# ``python -m tools.export_upstream`` turns every patch into upstream code; its
+# equivalence test (test/test_export_upstream.py) applies that code to a copy of torch
+# and runs our golden tests against it with this variable set to the export's
+# config-map.json. Then TestCase never calls apply(), and each torch_patches.config knob
+# in the map reads and writes its upstream counterpart (torch's config ``alias``), so
+# ``tp_config.patch(...)`` in a test reaches the upstream code.
+
+UPSTREAM_FORM_ENV = "TORCH_PATCHES_UPSTREAM_FORM"
+
+
+def upstream_form_config_map() -> dict[str, str] | None:
+    """The knob map when tests run against upstream-form torch (None: normal mode)."""
+    import json
+    import os
+
+    path = os.environ.get(UPSTREAM_FORM_ENV)
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _use_upstream_form(test: TestCase) -> None:
+    if not test.apply_patches:
+        test.skipTest("tests stock torch behaviour; torch here holds the upstream form")
+    torch_patches.unapply()
+    import importlib
+
+    import torch_patches.config as tp_config
+
+    for ours, upstream in (upstream_form_config_map() or {}).items():
+        module, _, name = upstream.rpartition(".")
+        if name not in importlib.import_module(module)._config:
+            raise RuntimeError(f"{UPSTREAM_FORM_ENV}: torch has no config {upstream} (is the stack applied?)")
+        tp_config._config[ours].alias = upstream

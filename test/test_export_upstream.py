@@ -1,0 +1,175 @@
+"""The upstream export: every patch as a diff against torch's sources, and proof they are
+the same change.
+
+The equivalence test applies the exported stack to an overlay of the installed torch (the
+touched files copied, everything else symlinked) and runs the golden-graph tests
+(test/test_inline_placement.py, and the in-region scope tests of test/test_inscope_hooks.py)
+against it in a subprocess, *without*
+``torch_patches.apply()`` (``torch_patches.testing`` upstream-form mode): the same goldens
+pass, so the upstream code builds the same graphs as the patches.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch_patches._patches as patches_module
+from tools.export_upstream import (
+    apply_to_overlay,
+    check_applies,
+    make_stack,
+    run_export,
+)
+from tools.export_upstream.__main__ import (
+    DEFAULT_TESTS,
+    REPO_ROOT,
+    UPSTREAM_FORM_ENV,
+    installed_torch_root,
+    main,
+    run_upstream_tests,
+)
+from torch_patches.testing import UPSTREAM_FORM_ENV as TESTING_ENV
+
+
+ROOT = installed_torch_root()
+_CACHE = {}
+
+
+def exported():
+    if "results" not in _CACHE:
+        _CACHE["results"] = run_export(ROOT, patches_module.PATCHES, REPO_ROOT)
+    return _CACHE["results"]
+
+
+def _git(*args, cwd):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+@unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
+class TestExport(unittest.TestCase):
+    def test_env_names_agree(self):
+        self.assertEqual(UPSTREAM_FORM_ENV, TESTING_ENV)
+
+    def test_every_record_exports(self):
+        _, results = exported()
+        self.assertEqual(
+            [r.patch.name for r in results],
+            [p.name for p in patches_module.PATCHES if p.name in {r.patch.name for r in results}],
+        )
+        skipped = [f"{r.patch.name}: {r.reason}" for r in results if r.status != "exported"]
+        self.assertEqual(skipped, [], "patches whose upstream form cannot be produced")
+        for r in results:
+            self.assertTrue(r.diff.startswith("diff --git a/torch/"), r.patch.name)
+            self.assertTrue(r.message.startswith(r.patch.summary + "\n"), r.patch.name)
+            self.assertIn(f"Retire when: {r.patch.retire_when}"[:60], r.message.replace("\n", " "))
+            self.assertIn("Test Plan:", r.message)
+
+    def test_stack_order_respects_after(self):
+        _, results = exported()
+        position = {r.patch.name: i for i, r in enumerate(results)}
+        for r in results:
+            for dep in r.patch.after:
+                self.assertLess(position[dep], position[r.patch.name], r.patch.name)
+
+    def test_diffs_apply_in_order_and_compile(self):
+        _, results = exported()
+        for r in results:
+            self.assertIsNone(check_applies(r.diff, r.before), r.patch.name)
+            for rel, text in r.after.items():
+                compile(text, rel, "exec", dont_inherit=True)
+        # And the whole stack, one diff after the other, with git apply on real files.
+        with tempfile.TemporaryDirectory() as tmp:
+            apply_to_overlay(os.path.join(tmp, "site"), ROOT, results)
+
+    def test_deterministic(self):
+        _, first = exported()
+        _, second = run_export(ROOT, patches_module.PATCHES, REPO_ROOT)
+        self.assertEqual([(r.diff, r.message) for r in first], [(r.diff, r.message) for r in second])
+
+    def test_stack_commits(self):
+        exporter, results = exported()
+        with tempfile.TemporaryDirectory() as tmp:
+            _git("init", "-q", cwd=tmp)
+            _git("config", "user.name", "Test", cwd=tmp)
+            _git("config", "user.email", "test@example.com", cwd=tmp)
+            commits = make_stack(tmp, exporter, results)
+            self.assertEqual(len(commits), len(results))
+            subjects = _git("log", "--reverse", "--format=%s", cwd=tmp).splitlines()
+            self.assertTrue(subjects[0].startswith("Base: torch"))
+            self.assertEqual(subjects[1:], [r.patch.summary for r in results])
+            for commit, r in zip(commits, results):
+                body = _git("log", "-1", "--format=%B", commit, cwd=tmp)
+                self.assertEqual(body.strip(), r.message.strip())
+                changed = _git("show", "--name-only", "--format=", commit, cwd=tmp).split()
+                self.assertEqual(sorted(changed), r.files)
+            self.assertEqual(_git("status", "--porcelain", cwd=tmp), "")
+
+    def test_cli_writes_patches_and_skips_unresolvable(self):
+        good = patches_module.PATCHES
+        bad = dataclasses.replace(
+            good[0],
+            name="aot.no_such_target",
+            target="torch._functorch._aot_autograd.utils:no_such_function",
+            after=(good[0].name,),
+        )
+        child = dataclasses.replace(good[0], name="aot.builds_on_bad", after=("aot.no_such_target",))
+        old = patches_module.PATCHES
+        patches_module.PATCHES = (*good, bad, child)
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                from contextlib import redirect_stdout
+                from io import StringIO
+
+                buf = StringIO()
+                with redirect_stdout(buf):
+                    rc = main(["export", "--out", out])
+                files = sorted(f for f in os.listdir(out) if f.endswith(".patch"))
+                summary = open(os.path.join(out, "SUMMARY.md")).read()
+                first = open(os.path.join(out, files[0])).read()
+        finally:
+            patches_module.PATCHES = old
+        text = buf.getvalue()
+        self.assertEqual(rc, 1)
+        self.assertIn("aot.no_such_target: skipped: target torch._functorch._aot_autograd.utils:no_such_function is not defined", text)
+        self.assertIn("aot.builds_on_bad: skipped: builds on skipped patch aot.no_such_target", text)
+        self.assertIn("skipped", summary)
+        self.assertEqual(len(files), len(good))
+        self.assertFalse(any("no_such" in f or "builds_on_bad" in f for f in files))
+        self.assertTrue(files[0].startswith("01-"))
+        self.assertIn(f"Subject: [PATCH 01/{len(good):02d}] {good[0].summary}", first)
+
+
+@unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
+class TestUpstreamEquivalence(unittest.TestCase):
+    def test_upstream_form_passes_the_goldens(self):
+        _, results = exported()
+        with tempfile.TemporaryDirectory(prefix="tp-upstream-") as tmp:
+            proc = run_upstream_tests(results, ROOT, tmp, list(DEFAULT_TESTS))
+            # The overlay's torch holds the code and the patches are not applied.
+            probe = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import torch, torch_patches, torch._functorch._aot_autograd.graph_compile as g;"
+                    "print(g.maybe_inline_graph_saved_tensors_hooks.__code__.co_filename);"
+                    "print(torch_patches.is_applied())",
+                ],
+                env={**os.environ, "PYTHONPATH": os.path.join(tmp, "site")},
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+            )
+        out = proc.stdout + proc.stderr
+        self.assertEqual(proc.returncode, 0, out[-8000:])
+        self.assertRegex(proc.stdout, r"\b12 passed\b|\b\d+ passed\b")
+        self.assertNotIn("skipped", proc.stdout.splitlines()[-1])
+        filename, applied = probe.stdout.split()
+        self.assertTrue(filename.startswith(tmp), filename)
+        self.assertEqual(applied, "False")
+
+
+if __name__ == "__main__":
+    unittest.main()

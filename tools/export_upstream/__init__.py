@@ -1,0 +1,53 @@
+"""Export every torch_patches patch as upstream PyTorch code.
+
+    python -m tools.export_upstream export --out DIR [--stack REPO] [--torch-root ROOT]
+    python -m tools.export_upstream verify [--torch-root ROOT] [TEST ...]
+
+``export`` writes one git-format-patch file per patch (``NN-<patch name>.patch``, in stack
+order, each against the sources as the previous ones leave them), ``SUMMARY.md``,
+``summary.json`` and ``config-map.json`` (our config knobs -> their upstream names).
+``--stack REPO`` also commits the stack, one commit per patch, into a git repository
+(created with a base commit of the pristine files if needed; a pytorch checkout is used
+as it is), ready for ``ghstack submit``.  Nothing is pushed.
+
+``verify`` applies the stack to an overlay of the installed torch and runs our golden
+tests against it without ``torch_patches.apply()`` (see ``test/test_export_upstream.py``).
+
+How the upstream form is generated: :mod:`tools.export_upstream._generate`.
+"""
+
+from tools.export_upstream._generate import (
+    CONFIG_HOME,
+    ExportError,
+    Exporter,
+    KNOB_NAMES,
+    PatchExport,
+    knob_upstream_name,
+    stack_order,
+)
+from tools.export_upstream._write import (
+    apply_to_overlay,
+    check_applies,
+    knob_map,
+    make_overlay,
+    make_stack,
+    run_export,
+    write_out,
+)
+
+__all__ = [
+    "CONFIG_HOME",
+    "ExportError",
+    "Exporter",
+    "KNOB_NAMES",
+    "PatchExport",
+    "apply_to_overlay",
+    "check_applies",
+    "knob_map",
+    "knob_upstream_name",
+    "make_overlay",
+    "make_stack",
+    "run_export",
+    "stack_order",
+    "write_out",
+]

@@ -1,0 +1,996 @@
+"""Generate the upstream form of every patch record: a stack of edits to torch's sources.
+
+How one patch becomes upstream code (see CONTRIBUTING.md, "Upstreaming"):
+
+* Our modules mirror upstream: ``torch_patches/X/Y.py`` stands for ``torch/X/Y.py``.  The
+  target definition in the upstream file is replaced by the replacement's definition,
+  renamed to the target's name and indented into its class for methods; the upstream
+  definition's decorators are kept (they carry upstream conventions the registry copies
+  onto replacements, e.g. guard check specs).
+* ``wraps=True`` (a factory taking the original): the factory must be a *simple wrapper*
+  (a docstring, one nested function, ``return`` of it).  The upstream definition is kept
+  under a private name ``_<name>_impl`` (all its decorators stay on it), and the nested
+  function becomes the definition under the target's name, calling the renamed original
+  where the factory's argument was used (``functools.wraps(original)`` is dropped;
+  ``staticmethod``/``classmethod`` are carried over).  That is exactly what runs under
+  ``apply()``; a reviewer may fold the two by hand.
+* Module-level helpers the code uses are added to the upstream module they mirror (an
+  AST dependency closure over names and ``module.attr`` uses).  A helper upstream already
+  defines identically is reused; one defined differently is added under a new name.
+  Helpers are appended to the end of the file, in our source order (so anything they
+  use at import time, upstream's or ours, is defined before them).
+* ``torch_patches`` modules without an upstream counterpart (``_errors``, ``_logging``...)
+  are moved into the upstream file whose code needs them first (stack order); code in
+  other files reaches them as ``module.name``.  Cross-module references import the other
+  upstream module inside the function that uses it (never a new top-level import between
+  torch modules: those can create import cycles).  Knobs of
+  ``torch_patches.config`` become knobs of ``torch/_functorch/config.py``
+  (``saved_tensors_hooks_*``, see :data:`KNOB_NAMES`).
+* Imports our code needs are added to the upstream module's imports when it lacks them.
+* Patches are generated in stack order (``after``), each against the sources as the
+  previous ones left them.  Anything that cannot be resolved makes that patch (and the
+  patches built on it) *skipped* with the reason; no partial diff is emitted.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch_patches._registry import Patch, find_definition, fingerprint_source, combine_fingerprints
+
+from tools.export_upstream._pysrc import (
+    BUILTINS,
+    Edit,
+    ExportError,
+    NameUse,
+    Source,
+    apply_edits,
+    def_name_edit,
+    import_bindings,
+    local_imports,
+    name_uses,
+    reindent,
+    stmt_binds,
+)
+
+
+TP = "torch_patches"
+#: Where knobs of torch_patches' config module go upstream.
+CONFIG_HOME = "torch._functorch.config"
+#: Upstream names of our knobs; knobs not listed get ``saved_tensors_hooks_<name>``.
+KNOB_NAMES = {
+    "hook_placement": "saved_tensors_hooks_placement",
+    "hooked_saved_tensor_dtypes": "saved_tensors_hooks_dtypes",
+    "untraceable_hook": "saved_tensors_hooks_untraceable",
+}
+_CONFIG_MARK = "install_config_module(sys.modules[__name__])"
+
+
+def knob_upstream_name(name: str) -> str:
+    if name in KNOB_NAMES:
+        return KNOB_NAMES[name]
+    return name if name.startswith("saved_tensors_hooks") else f"saved_tensors_hooks_{name}"
+
+
+# ------------------------------------------------------------------- module files
+
+
+def module_relpath(root: str, module: str) -> str | None:
+    """``torch/x/y.py`` (or ``.../__init__.py``) for a module under ``root``, if it exists."""
+    base = module.replace(".", "/")
+    for rel in (f"{base}.py", f"{base}/__init__.py"):
+        if os.path.isfile(os.path.join(root, rel)):
+            return rel
+    return None
+
+
+def _tp_root() -> str:
+    spec = importlib.util.find_spec(TP)
+    if spec is None or not spec.submodule_search_locations:
+        raise ExportError("torch_patches is not importable")
+    return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+@dataclasses.dataclass
+class PatchExport:
+    """The upstream form of one patch (or why there is none)."""
+
+    patch: Patch
+    number: int
+    status: str = "exported"  # or "skipped"
+    reason: str = ""
+    files: list[str] = dataclasses.field(default_factory=list)
+    diff: str = ""
+    message: str = ""
+    added: list[str] = dataclasses.field(default_factory=list)  # "module:name" added
+    knobs: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    tests: list[str] = dataclasses.field(default_factory=list)
+    before: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    after: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def filename(self) -> str:
+        return f"{self.number:02d}-{self.patch.name}.patch"
+
+
+@dataclasses.dataclass
+class _FileWork:
+    """Pending changes to one upstream file within one patch."""
+
+    src: Source
+    module: str
+    imports: dict[str, str] = dataclasses.field(default_factory=dict)  # bound name -> dotted
+    helpers: list[tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=list)
+    replace: tuple[int, int, str] | None = None  # (first line, last line, text)
+    before_line: int | None = None  # helpers go before this line (else end of file)
+    knobs: list[tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=list)
+    bound: set[str] = dataclasses.field(default_factory=set)  # names we bind in it
+
+    def binds(self, name: str) -> bool:
+        return name in self.bound or name in self.src.bindings
+
+
+class _State:
+    """What the stack has done so far (copied per patch, committed on success)."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}  # relpath -> current text
+        self.placed: dict[tuple[str, str], tuple[str, str]] = {}  # (tp module, name) -> (module, name)
+        self.homes: dict[str, str] = {}  # satellite tp module -> upstream module
+
+    def copy(self) -> _State:
+        new = _State()
+        new.texts = dict(self.texts)
+        new.placed = dict(self.placed)
+        new.homes = dict(self.homes)
+        return new
+
+
+class Exporter:
+    """Turns patch records into a stack of upstream diffs against one torch source tree."""
+
+    def __init__(self, torch_root: str, repo_root: str | None = None) -> None:
+        self.root = torch_root
+        self.tp_root = _tp_root()
+        self.repo_root = repo_root or os.path.dirname(self.tp_root)
+        self.base: dict[str, str] = {}
+        self.state = _State()
+        self._tp_sources: dict[str, Source] = {}
+        self._up_sources: dict[str, Source] = {}
+
+    # ------------------------------------------------------------ sources
+
+    def read_upstream(self, rel: str) -> str:
+        if rel not in self.base:
+            with open(os.path.join(self.root, rel), encoding="utf-8") as f:
+                self.base[rel] = f.read()
+        return self.base[rel]
+
+    def upstream_source(self, state: _State, module: str) -> Source:
+        rel = self.upstream_rel(module)
+        text = state.texts.get(rel) or self.read_upstream(rel)
+        key = f"{rel}\0{hash(text)}"
+        if key not in self._up_sources:
+            self._up_sources[key] = Source(text, module, rel.endswith("__init__.py"))
+        return self._up_sources[key]
+
+    def upstream_rel(self, module: str) -> str:
+        rel = module_relpath(self.root, module)
+        if rel is None:
+            raise ExportError(f"upstream module {module} has no source file under {self.root}")
+        return rel
+
+    def tp_source(self, module: str) -> Source:
+        if module not in self._tp_sources:
+            rel = module_relpath(self.tp_root, module)
+            if rel is None:
+                raise ExportError(f"{module} is not a torch_patches source module")
+            with open(os.path.join(self.tp_root, rel), encoding="utf-8") as f:
+                self._tp_sources[module] = Source(f.read(), module, rel.endswith("__init__.py"))
+        return self._tp_sources[module]
+
+    def is_tp_module(self, dotted: str) -> bool:
+        return (dotted == TP or dotted.startswith(TP + ".")) and module_relpath(self.tp_root, dotted) is not None
+
+    def mirror_of(self, tp_module: str) -> str | None:
+        """The upstream module a torch_patches module mirrors (None: a satellite)."""
+        if self._is_config_module(tp_module):
+            return CONFIG_HOME
+        # Mirrors live in packages (torch_patches/_functorch/..., _dynamo/...); top-level
+        # modules (_errors, _logging, hooks, testing...) are ours only.
+        if tp_module.count(".") < 2:
+            return None
+        up = "torch" + tp_module[len(TP) :]
+        return up if module_relpath(self.root, up) else None
+
+    def _is_config_module(self, tp_module: str) -> bool:
+        return _CONFIG_MARK in self.tp_source(tp_module).text
+
+    def resolve_tp(self, dotted: str) -> tuple[str, str | None]:
+        """``torch_patches...`` dotted path -> (tp module, None) or (defining tp module, name)."""
+        if self.is_tp_module(dotted):
+            return dotted, None
+        module, _, name = dotted.rpartition(".")
+        for _ in range(8):
+            if not self.is_tp_module(module):
+                raise ExportError(f"cannot resolve {dotted}: {module} is not a torch_patches module")
+            b = self.tp_source(module).bindings.get(name)
+            if b is None:
+                raise ExportError(f"{module} does not define {name}")
+            if b.kind != "import":
+                return module, name
+            assert b.dotted is not None
+            if not (b.dotted == TP or b.dotted.startswith(TP + ".")):
+                raise ExportError(f"{module}.{name} re-exports {b.dotted}, which is not ours")
+            if self.is_tp_module(b.dotted):
+                return b.dotted, None
+            module, _, name = b.dotted.rpartition(".")
+        raise ExportError(f"cannot resolve {dotted}: re-export chain too long")
+
+    # ----------------------------------------------------------- the stack
+
+    def export(self, patches: Sequence[Patch]) -> list[PatchExport]:
+        out: list[PatchExport] = []
+        skipped: set[str] = set()
+        for number, patch in enumerate(stack_order(patches), 1):
+            result = PatchExport(patch, number)
+            blocked = [a for a in patch.after if a in skipped]
+            if blocked:
+                result.status, result.reason = "skipped", f"builds on skipped patch {', '.join(blocked)}"
+            else:
+                state = self.state.copy()
+                try:
+                    self._export_one(patch, state, result)
+                    self._verify(result, state)
+                except ExportError as e:
+                    result.status, result.reason = "skipped", str(e)
+                else:
+                    self.state = state
+            if result.status == "skipped":
+                skipped.add(patch.name)
+                result.files, result.diff, result.added = [], "", []
+                result.before, result.after, result.knobs = {}, {}, {}
+            out.append(result)
+        return out
+
+    def final_texts(self) -> dict[str, tuple[str, str]]:
+        """relpath -> (pristine, after the whole stack) for every touched file."""
+        return {rel: (self.base[rel], text) for rel, text in sorted(self.state.texts.items())}
+
+    # ------------------------------------------------------------ one patch
+
+    def _export_one(self, patch: Patch, state: _State, result: PatchExport) -> None:
+        t_module, _, t_qual = patch.target.partition(":")
+        r_module, _, r_attr = patch.replacement.partition(":")
+        if not t_module.startswith("torch.") and t_module != "torch":
+            raise ExportError(f"target {patch.target} is not a torch module")
+        if not (r_module == TP or r_module.startswith(TP + ".")):
+            raise ExportError(f"replacement {patch.replacement} is not a torch_patches definition")
+        rel = self.upstream_rel(t_module)
+        self.read_upstream(rel)
+        job = _Job(self, patch, state, t_module, t_qual.split("."), r_module, r_attr)
+        job.run()
+        result.added = job.added
+        result.knobs = job.knobs
+        result.notes = job.notes
+        before = {r: state.texts.get(r) or self.base[r] for r in job.files}
+        after = job.render()
+        diffs = []
+        for r in sorted(after):
+            if after[r] == before[r]:
+                continue
+            diffs.append(unified_diff(r, before[r], after[r]))
+            state.texts[r] = after[r]
+        if not diffs:
+            raise ExportError("the upstream form changes nothing")
+        result.files = sorted(r for r in after if after[r] != before[r])
+        result.diff = "".join(diffs)
+        result.before = {r: before[r] for r in result.files}
+        result.after = {r: after[r] for r in result.files}
+
+    def _verify(self, result: PatchExport, state: _State) -> None:
+        from tools.export_upstream._write import check_applies
+
+        for rel, text in result.after.items():
+            try:
+                compile(text, rel, "exec", dont_inherit=True)
+            except SyntaxError as e:
+                raise ExportError(f"generated {rel} does not compile: {e}") from e
+        problem = check_applies(result.diff, result.before)
+        if problem:
+            raise ExportError(f"generated diff does not apply: {problem}")
+
+
+def stack_order(patches: Sequence[Patch]) -> list[Patch]:
+    """Registry order, moved where needed so every patch follows those in its ``after``."""
+    by_name = {p.name: p for p in patches}
+    done: list[Patch] = []
+    seen: set[str] = set()
+
+    def visit(p: Patch, path: tuple[str, ...]) -> None:
+        if p.name in seen:
+            return
+        if p.name in path:
+            raise ExportError(f"'after' cycle: {' -> '.join(path + (p.name,))}")
+        for dep in p.after:
+            if dep in by_name:
+                visit(by_name[dep], path + (p.name,))
+        seen.add(p.name)
+        done.append(p)
+
+    for p in patches:
+        visit(p, ())
+    return done
+
+
+def unified_diff(rel: str, before: str, after: str) -> str:
+    a = before.splitlines(keepends=True)
+    b = after.splitlines(keepends=True)
+    for lines in (a, b):
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n\\ No newline at end of file\n"
+    body = "".join(difflib.unified_diff(a, b, f"a/{rel}", f"b/{rel}", n=3))
+    return f"diff --git a/{rel} b/{rel}\n{body}"
+
+
+# -------------------------------------------------------------------- the job
+
+
+class _Job:
+    """Generation of one patch against the current state."""
+
+    def __init__(
+        self,
+        ex: Exporter,
+        patch: Patch,
+        state: _State,
+        t_module: str,
+        t_path: list[str],
+        r_module: str,
+        r_attr: str,
+    ) -> None:
+        self.ex, self.patch, self.state = ex, patch, state
+        self.t_module, self.t_path = t_module, t_path
+        self.r_module, self.r_attr = r_module, r_attr
+        self.work: dict[str, _FileWork] = {}
+        self.queue: list[tuple[str, str]] = []
+        self.added: list[str] = []
+        self.knobs: dict[str, str] = {}
+        self.notes: list[str] = []
+        self._emitted: set[tuple[str, int]] = set()
+
+    @property
+    def files(self) -> list[str]:
+        return [self.ex.upstream_rel(m) for m in self.work]
+
+    def file(self, module: str) -> _FileWork:
+        if module not in self.work:
+            self.work[module] = _FileWork(self.ex.upstream_source(self.state, module), module)
+        return self.work[module]
+
+    # --------------------------------------------------------------- driver
+
+    def run(self) -> None:
+        target_file = self.file(self.t_module)
+        src = target_file.src
+        owner_path, attr = self.t_path[:-1], self.t_path[-1]
+        body = src.tree.body
+        owners: list[ast.ClassDef] = []
+        for part in owner_path:
+            cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == part), None)
+            if cls is None:
+                raise ExportError(f"class {'.'.join(owner_path)} not found in {self.ex.upstream_rel(self.t_module)}")
+            owners.append(cls)
+            body = cls.body
+        t_node = next(
+            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == attr),
+            None,
+        )
+        if t_node is None:
+            raise ExportError(
+                f"target {self.patch.target} is not defined in {self.ex.upstream_rel(self.t_module)} "
+                "(no such function or method)"
+            )
+        self._check_fingerprint()
+        r_src = self.ex.tp_source(self.r_module)
+        r_bind = r_src.bindings.get(self.r_attr)
+        if r_bind is None or r_bind.kind != "def":
+            raise ExportError(f"replacement {self.patch.replacement} is not a function defined in {self.r_module}")
+        r_node = r_bind.stmt
+        assert isinstance(r_node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        first, last = src.stmt_lines(t_node, comments=False)
+        indent = re.match(r"[ \t]*", src.lines[t_node.lineno - 1]).group(0)  # type: ignore[union-attr]
+        upstream_decorators = "".join(src.lines[first - 1 : t_node.lineno - 1])
+        qual_owner = ".".join(owner_path)
+        if not self.patch.wraps:
+            self.state.placed[(self.r_module, self.r_attr)] = (
+                self.t_module,
+                f"{qual_owner}.{attr}" if owner_path else attr,
+            )
+            text = self.emit(r_src, r_node, self.t_module, rename_def=attr, comments=False)
+            text = reindent(text, 0, indent)
+            new = upstream_decorators + text
+        else:
+            new = self._wrapper(src, t_node, r_src, r_node, indent, owner_path, attr, upstream_decorators)
+        target_file.replace = (first, last, new)
+        self.drain()
+
+    def _check_fingerprint(self) -> None:
+        from tools.fingerprints import from_source_tree
+
+        try:
+            fp = from_source_tree(self.ex.root, (self.patch.target, *self.patch.depends_on))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            self.notes.append(f"could not fingerprint the upstream code: {e}")
+            return
+        if fp not in self.patch.fingerprints.values():
+            self.notes.append(
+                f"upstream code drifted from what the patch was written against (fingerprint {fp} "
+                "is not recorded): re-read the upstream change before submitting"
+            )
+
+    def _wrapper(
+        self,
+        src: Source,
+        t_node: ast.FunctionDef | ast.AsyncFunctionDef,
+        r_src: Source,
+        factory: ast.FunctionDef | ast.AsyncFunctionDef,
+        indent: str,
+        owner_path: list[str],
+        attr: str,
+        upstream_decorators: str,
+    ) -> str:
+        body = list(factory.body)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        params = [a.arg for a in factory.args.posonlyargs + factory.args.args]
+        if (
+            len(body) != 2
+            or not isinstance(body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+            or not isinstance(body[1], ast.Return)
+            or not isinstance(body[1].value, ast.Name)
+            or body[1].value.id != body[0].name
+            or len(params) != 1
+            or factory.args.vararg
+            or factory.args.kwarg
+            or factory.args.kwonlyargs
+        ):
+            raise ExportError(
+                f"wrapper factory {self.patch.replacement} is not a simple wrapper (a docstring, "
+                "one nested function taking the original by closure, and `return` of it); write "
+                "the upstream form by hand or simplify the factory"
+            )
+        inner = body[0]
+        param = params[0]
+        # The original stays, renamed; the wrapper takes the target's name.
+        scope_names = {
+            n.name for n in (self._scope_body(src, owner_path)) if hasattr(n, "name")
+        } | (set(src.bindings) if not owner_path else set())
+        impl = f"_{attr.lstrip('_')}_impl"
+        while impl in scope_names:
+            impl += "_"
+        kinds = [self._decorator_kind(d) for d in t_node.decorator_list]
+        if "classmethod" in kinds:
+            original_ref = f"{'.'.join(owner_path)}.{impl}.__func__"
+        elif owner_path:
+            original_ref = f"{'.'.join(owner_path)}.{impl}"
+        else:
+            original_ref = impl
+        renamed_original = apply_edits(
+            src,
+            *src.line_range_bytes(*src.stmt_lines(t_node, comments=False)),
+            [def_name_edit(src, t_node, impl)],
+        )
+        # The nested function, with the factory's parameter replaced by the original.
+        drop = [d for d in inner.decorator_list if self._is_wraps_of(d, param)]
+        text = self.emit(
+            r_src,
+            inner,
+            self.t_module,
+            rename_def=attr,
+            comments=False,
+            enclosing=factory,
+            enclosing_names={param: original_ref},
+            drop_decorators=drop,
+        )
+        text = reindent(text, inner.col_offset, indent)
+        descriptor = "".join(
+            f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod")
+        )
+        others = [
+            ast.get_source_segment(src.text, d) or "?"
+            for d, k in zip(t_node.decorator_list, kinds)
+            if k not in ("staticmethod", "classmethod")
+        ]
+        if others:
+            self.notes.append(
+                f"decorators {', '.join('@' + o for o in others)} stay on {impl} only; check "
+                "whether the wrapper needs them"
+            )
+        sep = "\n" if owner_path else "\n\n"
+        return renamed_original + sep + descriptor + text
+
+    @staticmethod
+    def _scope_body(src: Source, owner_path: list[str]) -> list[ast.stmt]:
+        body = src.tree.body
+        for part in owner_path:
+            body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == part).body
+        return body
+
+    @staticmethod
+    def _decorator_kind(d: ast.expr) -> str:
+        if isinstance(d, ast.Name):
+            return d.id
+        if isinstance(d, ast.Attribute):
+            return d.attr
+        return "call"
+
+    @staticmethod
+    def _is_wraps_of(d: ast.expr, param: str) -> bool:
+        if not isinstance(d, ast.Call) or not d.args:
+            return False
+        f = d.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        return name == "wraps" and isinstance(d.args[0], ast.Name) and d.args[0].id == param
+
+    # --------------------------------------------------------- dependencies
+
+    def place(self, tp_module: str, name: str) -> tuple[str, str]:
+        """Where (upstream module, name) our definition ``tp_module.name`` lives; queue it."""
+        key = (tp_module, name)
+        if key in self.state.placed:
+            return self.state.placed[key]
+        src = self.ex.tp_source(tp_module)
+        b = src.bindings.get(name)
+        if b is None:
+            raise ExportError(f"{tp_module} has no top-level definition {name!r}")
+        if b.kind == "import":
+            assert b.dotted is not None
+            if b.dotted.startswith(TP + ".") or b.dotted == TP:
+                mod, nm = self.ex.resolve_tp(b.dotted)
+                if nm is None:
+                    raise ExportError(f"{tp_module}.{name} is a module; use it by its own name")
+                loc = self.place(mod, nm)
+                self.state.placed[key] = loc
+                return loc
+            raise ExportError(
+                f"{tp_module}.{name} is imported there from {b.dotted}; import it from where "
+                "it is defined"
+            )
+        dest = self.dest_module(tp_module)
+        is_knob = self.ex._is_config_module(tp_module)
+        final = knob_upstream_name(name) if is_knob else name
+        up = self.ex.upstream_source(self.state, dest)
+        existing = up.bindings.get(final)
+        if existing is not None and not existing.type_checking and not is_knob:
+            if existing.kind != "import" and _same_definition(src, b.stmt, up, existing.stmt):
+                for n in stmt_binds(b.stmt):
+                    self.state.placed[(tp_module, n)] = (dest, n)
+                return self.state.placed[key]
+            final = self._fresh(dest, f"_{name.lstrip('_')}_saved_tensors_hooks")
+            self.notes.append(
+                f"{dest} already defines {name} differently; ours is added as {final}"
+            )
+        elif existing is not None and is_knob:
+            raise ExportError(f"{dest} already has a knob {final}")
+        names = stmt_binds(b.stmt)
+        if len(names) > 1 and final != name:
+            raise ExportError(f"{tp_module}.{name} is bound with other names and collides upstream")
+        for n in names:
+            self.state.placed[(tp_module, n)] = (dest, final if n == name else n)
+        self.queue.append((tp_module, name))
+        if is_knob:
+            self.knobs[name] = f"{dest}.{final}"
+        return dest, final
+
+    def dest_module(self, tp_module: str) -> str:
+        mirror = self.ex.mirror_of(tp_module)
+        if mirror is not None:
+            return mirror
+        # Ours only (no upstream counterpart): moved next to the code that needs it first.
+        return self.state.homes.setdefault(tp_module, getattr(self, "_requester", None) or self.t_module)
+
+    def drain(self) -> None:
+        while self.queue:
+            tp_module, name = self.queue.pop(0)
+            src = self.ex.tp_source(tp_module)
+            b = src.bindings[name]
+            key = (tp_module, b.index)
+            if key in self._emitted:
+                continue
+            self._emitted.add(key)
+            dest, final = self.state.placed[(tp_module, name)]
+            fw = self.file(dest)
+            renames = {}
+            if final != name:
+                renames[name] = final
+            text = self.emit(src, b.stmt, dest, rename_def=renames.get(name), store_renames=renames)
+            is_knob = self.ex._is_config_module(tp_module)
+            order = (0 if self.ex.mirror_of(tp_module) is None else 1, tp_module, b.stmt.lineno)
+            (fw.knobs if is_knob else fw.helpers).append((order, text))
+            fw.bound.update(renames.get(n, n) for n in stmt_binds(b.stmt))
+            self.added.append(f"{dest}:{final}")
+
+    def _fresh(self, module: str, base: str) -> str:
+        fw = self.file(module)
+        name = base
+        i = 2
+        while fw.binds(name):
+            name = f"{base}{i}"
+            i += 1
+        fw.bound.add(name)
+        return name
+
+    # ------------------------------------------------------------- emission
+
+    def emit(
+        self,
+        src: Source,
+        node: ast.stmt,
+        dest: str,
+        *,
+        rename_def: str | None = None,
+        comments: bool = True,
+        enclosing: ast.AST | None = None,
+        enclosing_names: dict[str, str] | None = None,
+        drop_decorators: Iterable[ast.expr] = (),
+        store_renames: dict[str, str] | None = None,
+    ) -> str:
+        """The text of our statement ``node``, rewritten to live in upstream ``dest``."""
+        fw = self.file(dest)
+        self._requester = dest
+        edits: list[Edit] = []
+        enclosing_names = enclosing_names or {}
+        store_renames = store_renames or {}
+        dropped = []
+        for d in drop_decorators:
+            start = src.offset(d.lineno, 0)
+            end = src.line_range_bytes(d.end_lineno, d.end_lineno)[1]  # type: ignore[arg-type]
+            dropped.append((start, end))
+        # Functions that get their own imports of other upstream modules (cycle-safe).
+        owners: dict[int, ast.AST] = {}
+        fns = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else (
+            [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if isinstance(node, ast.ClassDef) else []
+        )
+        for fn in fns:
+            for sub in ast.walk(fn):
+                if isinstance(sub, ast.Name) and sub not in fn.decorator_list:
+                    owners[id(sub)] = fn
+        for fn in fns:  # decorators, defaults and annotations run at import time
+            for part in [*fn.decorator_list, *fn.args.defaults, fn.returns, *(
+                a.annotation for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg] if a is not None
+            )]:
+                for sub in ast.walk(part) if part is not None else ():
+                    owners.pop(id(sub), None)
+        self._local_needs: dict[ast.AST, dict[str, str]] = {}
+        for imp in local_imports(node):
+            new = self._rewrite_local_import(src, imp)
+            if new is not None:
+                edits.append(Edit(*src.span(imp), new))
+            elif self._is_self_import(src, imp, fw):
+                # ``from <this module> import name`` inside a function: name is right here.
+                start = src.offset(imp.lineno, 0)
+                edits.append(Edit(start, src.line_range_bytes(imp.end_lineno, imp.end_lineno)[1], ""))
+        for use in name_uses(node, src.package, enclosing=enclosing):
+            n = use.node
+            if any(s <= src.span(n)[0] < e for s, e in dropped):
+                continue
+            if use.scope == "enclosing":
+                if n.id in enclosing_names:
+                    edits.append(Edit(*src.span(n), enclosing_names[n.id]))
+                    continue
+                raise ExportError(f"the wrapper uses {n.id!r} of its factory; only the original may be")
+            if use.scope == "local":
+                if use.local_import and _is_tp(use.local_import) and use.attribute is not None:
+                    mod, nm = self.ex.resolve_tp(use.local_import)
+                    if nm is None:
+                        d, final = self.place(mod, use.attribute.attr)
+                        if final != use.attribute.attr:
+                            edits.append(self._attr_edit(src, use.attribute, final))
+                continue
+            # global
+            if isinstance(n.ctx, ast.Store) or isinstance(n.ctx, ast.Del):
+                if n.id in store_renames:
+                    edits.append(Edit(*src.span(n), store_renames[n.id]))
+                continue
+            self._owner = owners.get(id(n))
+            new = self._global_ref(src, use, fw)
+            if new is not None:
+                span_node = use.attribute if (use.attribute is not None and new[1]) else n
+                edits.append(Edit(*src.span(span_node), new[0]))
+        for fn, needs in self._local_needs.items():
+            edits.append(self._local_import_edit(src, fn, needs))
+        if rename_def is not None and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            edits.append(def_name_edit(src, node, rename_def))
+        first, last = src.stmt_lines(node, comments=comments)
+        for start, end in dropped:
+            edits.append(Edit(start, end, ""))
+        return apply_edits(src, *src.line_range_bytes(first, last), edits)
+
+    @staticmethod
+    def _is_self_import(src: Source, imp: ast.Import | ast.ImportFrom, fw: _FileWork) -> bool:
+        if not isinstance(imp, ast.ImportFrom):
+            return False
+        line = src.lines[imp.lineno - 1]
+        if line[: imp.col_offset].strip() or src.lines[imp.end_lineno - 1][imp.end_col_offset :].strip():  # type: ignore[index]
+            return False
+        for name, dotted in import_bindings(imp, src.package):
+            b = fw.src.bindings.get(name)
+            if dotted != f"{fw.module}.{name}" or b is None or b.type_checking:
+                return False
+        return True
+
+    def _local_import_edit(self, src: Source, fn: ast.AST, needs: dict[str, str]) -> Edit:
+        body = fn.body  # type: ignore[attr-defined]
+        first = body[0]
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+            and len(body) > 1
+        ):
+            first = body[1]
+        indent = " " * first.col_offset
+        lines = [_import_line(n, d).rstrip("\n") for n, d in sorted(needs.items(), key=_import_key)]
+        at = src.offset(first.lineno, first.col_offset)
+        return Edit(at, at, ("\n" + indent).join(lines) + "\n\n" + indent)
+
+    def _attr_edit(self, src: Source, node: ast.Attribute, new_attr: str) -> Edit:
+        end = src.offset(node.end_lineno, node.end_col_offset)  # type: ignore[arg-type]
+        return Edit(end - len(node.attr.encode()), end, new_attr)
+
+    def _global_ref(self, src: Source, use: NameUse, fw: _FileWork) -> tuple[str, bool] | None:
+        """Replacement text for a global name use (bool: it replaces the whole ``x.attr``)."""
+        name = use.node.id
+        b = src.bindings.get(name)
+        if b is None:
+            if name in BUILTINS:
+                return None
+            raise ExportError(f"{src.module} uses {name!r}, which it does not define or import")
+        if b.kind != "import":
+            dest, final = self.place(src.module, name)
+            ref = self._ref_to(fw, dest, final, name)
+            return None if ref is None else (ref, False)
+        assert b.dotted is not None
+        if _is_tp(b.dotted):
+            mod, nm = self.ex.resolve_tp(b.dotted)
+            if nm is not None:
+                dest, final = self.place(mod, nm)
+                ref = self._ref_to(fw, dest, final, name)
+                return None if ref is None else (ref, False)
+            # A torch_patches module: only ``module.attr`` uses.
+            if use.attribute is None:
+                raise ExportError(f"{src.module} uses the module {b.dotted} as a value ({name})")
+            dest, final = self.place(mod, use.attribute.attr)
+            if dest == fw.module:
+                return final, True
+            alias = self.module_alias(fw, dest, name)
+            return f"{alias}.{final}", True
+        # Anything else: make the upstream module bind it too.
+        bound = self.ensure_binding(fw, name, b.dotted, use.annotation)
+        return (bound, False) if bound != name else None
+
+    def _ref_to(self, fw: _FileWork, dest: str, final: str, used_as: str) -> str | None:
+        if dest == fw.module:
+            return final if final != used_as else None
+        alias = self.module_alias(fw, dest, dest.rpartition(".")[2])
+        return f"{alias}.{final}"
+
+    def module_alias(self, fw: _FileWork, module: str, preferred: str) -> str:
+        """A name bound to ``module`` where the current use runs.
+
+        An upstream module the file already imports at top level is used as it is bound
+        there. Otherwise the function using it imports it itself (as torch does across
+        its own import cycles: a new top-level import between torch modules can make one
+        import the other half-initialized); only code that runs at import time gets a
+        top-level import.
+        """
+        for name, dotted in fw.imports.items():
+            if dotted == module:
+                return name
+        b = fw.src.bindings.get(preferred)
+        if b is not None and b.kind == "import" and b.dotted == module and not b.type_checking:
+            return preferred
+        for b in fw.src.bindings.values():
+            if b.kind == "import" and b.dotted == module and not b.type_checking:
+                return b.name
+        owner = getattr(self, "_owner", None)
+        if owner is not None:
+            needs = self._local_needs.setdefault(owner, {})
+            for name, dotted in needs.items():
+                if dotted == module:
+                    return name
+            name = preferred
+            if name in _local_names(owner) or (name in fw.src.bindings and fw.src.bindings[name].dotted != module):
+                name = f"{preferred}_mod"
+            needs[name] = module
+            return name
+        name = preferred if not fw.binds(preferred) else self._fresh(fw.module, f"{preferred}_mod")
+        fw.imports[name] = module
+        fw.bound.add(name)
+        return name
+
+    def ensure_binding(self, fw: _FileWork, name: str, dotted: str, annotation: bool) -> str:
+        if fw.imports.get(name) == dotted:
+            return name
+        b = fw.src.bindings.get(name)
+        if b is not None:
+            if annotation:
+                return name
+            if not b.type_checking:
+                if b.kind == "import" and b.dotted == dotted:
+                    return name
+                if b.kind != "import" and dotted == f"{fw.module}.{name}":
+                    return name
+        elif name not in fw.bound:
+            if dotted == f"{fw.module}.{name}":
+                raise ExportError(f"{fw.module} does not define {name}")
+            fw.imports[name] = dotted
+            fw.bound.add(name)
+            return name
+        for other in fw.src.bindings.values():
+            if other.kind == "import" and other.dotted == dotted and not other.type_checking:
+                return other.name
+        for other, d in fw.imports.items():
+            if d == dotted:
+                return other
+        alias = self._fresh(fw.module, f"_{name}")
+        fw.imports[alias] = dotted
+        return alias
+
+    def _rewrite_local_import(self, src: Source, imp: ast.Import | ast.ImportFrom) -> str | None:
+        pairs = list(import_bindings(imp, src.package))
+        if not any(_is_tp(d) for _, d in pairs):
+            return None
+        if isinstance(imp, ast.Import):
+            raise ExportError(f"`import torch_patches...` inside a function in {src.module}; use `from ... import ...`")
+        lines = []
+        for name, dotted in pairs:
+            if not _is_tp(dotted):
+                raise ExportError(f"mixed import of ours and not ours in {src.module}")
+            mod, nm = self.ex.resolve_tp(dotted)
+            if nm is None:
+                up = self.dest_module(mod)
+                pkg, _, last = up.rpartition(".")
+            else:
+                dest, final = self.place(mod, nm)
+                if "." in final:
+                    raise ExportError(f"{dotted} became a method upstream; cannot import it")
+                pkg, last = dest, final
+            lines.append(f"from {pkg} import {last}" + (f" as {name}" if name != last else ""))
+        indent = " " * imp.col_offset
+        return ("\n" + indent).join(lines)
+
+    # --------------------------------------------------------------- render
+
+    def render(self) -> dict[str, str]:
+        out = {}
+        for module, fw in self.work.items():
+            out[self.ex.upstream_rel(module)] = self._render_file(fw)
+        return out
+
+    def _render_file(self, fw: _FileWork) -> str:
+        lines = list(fw.src.lines)
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        inserts: list[tuple[int, int, list[str]]] = []  # (line index, priority, lines)
+        if fw.replace is not None:
+            first, last, text = fw.replace
+            lines[first - 1 : last] = [text if text.endswith("\n") else text + "\n"] + [""] * (last - first)
+        if fw.helpers:
+            block = "\n\n".join(t.rstrip("\n") + "\n" for _, t in sorted(fw.helpers))
+            if fw.before_line is not None:
+                inserts.append((fw.before_line - 1, 1, [block, "\n\n"]))
+            else:
+                inserts.append((len(lines), 1, ["\n\n", block]))
+        if fw.knobs:
+            at = self._knob_anchor(fw.src)
+            block = "".join("\n" + t.rstrip("\n") + "\n" for _, t in sorted(fw.knobs))
+            inserts.append((at, 0, [block.lstrip("\n") + "\n"]))
+        if fw.imports:
+            groups: dict[int, list[str]] = {}
+            for n, d in sorted(fw.imports.items(), key=_import_key):
+                groups.setdefault(self._import_anchor(fw.src, d), []).append(_import_line(n, d))
+            for at, chunk in groups.items():
+                inserts.append((at, 2, chunk))
+        for at, _, chunk in sorted(inserts, key=lambda x: (-x[0], x[1])):
+            lines[at:at] = chunk
+        return "".join(lines)
+
+    @staticmethod
+    def _import_anchor(src: Source, dotted: str) -> int:
+        """Line index after the prologue import a new import of ``dotted`` belongs after.
+
+        Imports of torch go after the last torch import, others after the last non-torch
+        import (the standard library block), else after the last import.
+        """
+        group = dotted.split(".")[0] == "torch"
+        last = last_same = 0
+        for node in src.tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                break
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
+                isinstance(node, ast.ImportFrom) and node.module == "__future__"
+            ):
+                last = node.end_lineno  # type: ignore[assignment]
+                first = next(import_bindings(node, src.package), ("", ""))[1]
+                relative = isinstance(node, ast.ImportFrom) and node.level > 0
+                if (first.split(".")[0] == "torch" or relative) == group:
+                    last_same = node.end_lineno  # type: ignore[assignment]
+        if last == 0:
+            raise ExportError(f"{src.module} has no import block to extend")
+        return last_same or last
+
+    @staticmethod
+    def _knob_anchor(src: Source) -> int:
+        """Line index before the config module's closing (TYPE_CHECKING / install call)."""
+        body = src.tree.body
+        idx = next(
+            (i for i, n in enumerate(body) if _CONFIG_MARK in (ast.get_source_segment(src.text, n) or "")),
+            None,
+        )
+        if idx is None:
+            raise ExportError(f"{src.module} is not a config module ({_CONFIG_MARK} not found)")
+        while idx > 0 and (
+            isinstance(body[idx - 1], (ast.Import, ast.ImportFrom))
+            or (isinstance(body[idx - 1], ast.If) and "TYPE_CHECKING" in ast.dump(body[idx - 1].test))
+        ):
+            idx -= 1
+        return src.stmt_lines(body[idx])[0] - 1
+
+
+def _local_names(fn: ast.AST) -> set[str]:
+    from tools.export_upstream._pysrc import _local_bindings
+
+    return set(_local_bindings(fn, "").bound)
+
+
+def _is_tp(dotted: str) -> bool:
+    return dotted == TP or dotted.startswith(TP + ".")
+
+
+def _import_line(name: str, dotted: str) -> str:
+    if "." not in dotted:
+        return f"import {dotted}\n" if name == dotted else f"import {dotted} as {name}\n"
+    pkg, _, last = dotted.rpartition(".")
+    return f"from {pkg} import {last}\n" if name == last else f"from {pkg} import {last} as {name}\n"
+
+
+def _import_key(item: tuple[str, str]) -> tuple[int, str]:
+    line = _import_line(*item)
+    return (0 if line.startswith("import ") else 1, line)
+
+
+def _same_definition(a_src: Source, a: ast.stmt, b_src: Source, b: ast.stmt) -> bool:
+    """Same code, ignoring comments, docstrings, annotations and formatting."""
+    try:
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            sa = find_definition(a_src.text, a.name)  # type: ignore[union-attr]
+            sb = find_definition(b_src.text, b.name)  # type: ignore[union-attr]
+            return fingerprint_source(sa) == fingerprint_source(sb)
+    except Exception:  # noqa: BLE001
+        return False
+    return ast.dump(a) == ast.dump(b) if type(a) is type(b) else False
+
+
+__all__ = [
+    "CONFIG_HOME",
+    "Exporter",
+    "ExportError",
+    "KNOB_NAMES",
+    "PatchExport",
+    "combine_fingerprints",
+    "knob_upstream_name",
+    "module_relpath",
+    "stack_order",
+    "unified_diff",
+]
