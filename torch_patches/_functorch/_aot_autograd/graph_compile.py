@@ -80,7 +80,7 @@ class HookPair:
 
 _decision = threading.local()
 _fallback_lock = threading.Lock()
-_fallback_ids: set[Any] = set()  # compile ids whose hooks fell back to eager
+_fallback_ids: set[Any] = set()  # compile ids not to cache (hooks fell back to eager, ...)
 
 
 def _record_decision(inlined: bool) -> None:
@@ -650,8 +650,7 @@ def maybe_inline_graph_saved_tensors_hooks(
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
-        with _fallback_lock:
-            _fallback_ids.add(_compile_id())
+        mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
         return
     if ambient is not None:
         _record_decision(inlined=True)
