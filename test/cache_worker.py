@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 import torch_patches
+from torch_patches import hooks
 from torch_patches.hooks import cache_hash, inlineable
 
 
@@ -44,6 +45,10 @@ def build_hooks(spec):
         return torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
     if spec["hook"] == "marked":
         return inlineable(pack, unpack)
+    if spec["hook"] == "cpu_offload":
+        return hooks.cpu_offload(pin_memory=False)
+    if spec["hook"] == "fp8_rowwise+cpu_offload":
+        return hooks.chain(hooks.fp8_rowwise(), hooks.cpu_offload(pin_memory=False))
     if spec["hook"] == "leaf":
         if spec.get("leaf_hash"):
             cache_hash(spec["leaf_hash"])(leaf_scale)

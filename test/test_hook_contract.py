@@ -259,6 +259,28 @@ class TestUnpackValidation(TestCase):
             grads(fn, device, hooks=hooks, backend="aot_eager"), grads(fn, device), atol=1e-6, rtol=1e-6
         )
 
+    def test_python_hooks_get_strides_restored_inductor(self, device):
+        # Python hooks (not inlineable) returning a compact copy of a view with gaps (q/k of
+        # a fused projection, as in attention): Inductor's backward asserts the saved
+        # tensor's strides. Stock torch fails there; the runtime contract copies the
+        # result back into those strides.
+        def fn(x, w):
+            qkv = F.linear(x, torch.cat([w, w * 2, w * 3], 0)).view(1, 3, 3, 2, 2).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            return F.scaled_dot_product_attention(q, k, v)
+
+        for pack in (lambda t: t.contiguous() * 2, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2) * 2):
+            with self.subTest():
+                torch._dynamo.reset()
+                hooks = pack, lambda t: t / 2
+                self.assertGradsEqual(
+                    grads(fn, device, hooks=hooks, backend="inductor"), grads(fn, device), atol=1e-5, rtol=1e-5
+                )
+        torch_patches.unapply()
+        torch._dynamo.reset()
+        with self.assertRaisesRegex(AssertionError, "stride"):
+            grads(fn, device, hooks=(lambda t: t.contiguous() * 2, lambda t: t / 2), backend="inductor")
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs a second device")
     def test_python_hook_wrong_device(self, device):
         x = torch.randn(4, 8, device="cuda", requires_grad=True)

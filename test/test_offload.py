@@ -70,6 +70,36 @@ def grads_of(fn: Any, inputs: list[torch.Tensor], pair: Any = None) -> list[torc
     return list(torch.autograd.grad(loss, inputs))
 
 
+# An identity whose backward raises at run time (in the compiled backward, between a
+# reload_start and its reload_wait), noting how many reloads were in flight then.
+_raised_with_in_flight: list[int] = []
+
+
+@torch.library.custom_op("torch_patches_test::fails_in_backward", mutates_args=())
+def _fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_fails_in_backward.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torch_patches_test::raise_in_backward", mutates_args=())
+def _raise_in_backward(g: torch.Tensor) -> torch.Tensor:
+    _raised_with_in_flight.append(len(offload_mod._in_flight))
+    raise RuntimeError("boom")
+
+
+@_raise_in_backward.register_fake
+def _(g: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(g)
+
+
+_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.torch_patches_test.raise_in_backward(g))
+ops_test = torch.ops.torch_patches_test
+
+
 def offload_chain() -> Any:
     return hooks.chain(hooks.fp8_rowwise(), hooks.cpu_offload())
 
@@ -112,6 +142,32 @@ class TestOffloadOps(TestCase):
         ops.reload_wait(ticket, cpu, torch.device(device))
         with self.assertRaisesRegex(RuntimeError, "no reload in flight"):
             ops.reload_wait(ticket, cpu, torch.device(device))
+
+    def test_unwaited_ticket_releases_its_copy(self, device: str) -> None:
+        cpu = ops.offload(torch.randn(3, device=device), False)
+        before = len(offload_mod._in_flight)
+        ticket = ops.reload_start(cpu, torch.device(device))
+        self.assertEqual(len(offload_mod._in_flight), before + 1)
+        del ticket
+        self.assertEqual(len(offload_mod._in_flight), before)
+
+    def test_backward_raising_between_start_and_wait_leaks_nothing(self, device: str) -> None:
+        # The inliner puts reload_start several nodes ahead of reload_wait; a backward that
+        # raises in between must not keep the reloaded tensors alive.
+        def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(x @ w)
+            return ops_test.fails_in_backward(h.sin()).sum()
+
+        x, w = (torch.randn(8, 8, device=device, requires_grad=True) for _ in range(2))
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks.cpu_offload(pin_memory=False)):
+            loss = compiled(x, w)
+        before = len(offload_mod._in_flight)
+        with self.assertRaisesRegex(RuntimeError, "boom"):
+            loss.backward()
+        self.assertGreater(_raised_with_in_flight[-1], before)  # reloads were under way
+        del loss
+        self.assertEqual(len(offload_mod._in_flight), before)
 
     def test_fake_impls_under_make_fx(self, device: str) -> None:
         pack, unpack = hooks.cpu_offload()
@@ -360,12 +416,15 @@ class GraphModule(torch.nn.Module):
     def test_inductor_frees_offloaded_buffers_without_reuse(self, device: str) -> None:
         # On CUDA the device-to-host copy still reads an offloaded buffer after offload
         # returns: Inductor must not hand that buffer to a later kernel (`bufN = bufM;
-        # del bufM  # reuse`); mm outputs of one shape give it every opportunity. But it
+        # del bufM  # reuse`); mm outputs of one shape give it every opportunity. Nor may
+        # the kernel reading it last write its output into it in place: gelu's input is
+        # offloaded before the fused gelu kernel runs (Inductor realizes pointwise ops
+        # lazily), and that kernel is the in-place candidate (same `# reuse` line). But it
         # must free it right after the offload (`del bufM`), or nothing is saved.
         from torch._inductor.utils import run_and_get_code
 
         def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-            a = torch.mm(x, w1)
+            a = F.gelu(torch.mm(x, w1))
             b = torch.mm(a.sin(), w2)
             c = torch.mm(b.relu(), w3)
             return torch.mm(c.tanh(), w3).sum()
@@ -389,11 +448,13 @@ class GraphModule(torch.nn.Module):
         for buf in offloaded:
             at = next(i for i, line in enumerate(lines) if re.search(rf"offload\.default\((reinterpret_tensor\()?{buf}\b", line))
             freed = next((i for i, line in enumerate(lines) if line.strip() == f"del {buf}"), len(lines))
-            # Right after: before the next kernel runs (only asserts may come between).
+            # Right after its last reader: a kernel between the offload and the `del` must
+            # read the buffer (the fused kernel of gelu reading mm's output), none other.
             between = [line.strip() for line in lines[at + 1 : freed]]
+            kernels = [b for b in between if re.search(r"cpp_fused|triton_|extern_kernels|\.default\(", b)]
             self.assertTrue(
-                freed < len(lines) and all(not re.search(r"cpp_fused|triton_|extern_kernels|\.default\(", b) for b in between),
-                f"{buf} not freed right after its offload:\n{fw}",
+                freed < len(lines) and all(re.search(rf"\b{buf}\b", k) for k in kernels),
+                f"{buf} not freed right after its offload and last reader:\n{fw}",
             )
 
     def test_eager_hooks_exact(self, device: str) -> None:
@@ -437,6 +498,22 @@ class TestOffloadCUDA(TestCase):
             ref = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs)
             torch._dynamo.reset()
             got = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs, hooks.cpu_offload())
+            self.assertGradsEqual(got, ref, exact=True)
+
+    def test_compiled_cuda_large_copies_race_nothing(self) -> None:
+        # Copies of 16 MiB take long enough for any kernel Inductor let write an offloaded
+        # buffer (reuse, in place: the fused gelu after mm) to overwrite it mid-copy.
+        gen = torch.Generator().manual_seed(0)
+        inputs = [
+            (torch.randn(s, generator=gen) / s[0] ** 0.5).cuda().requires_grad_()
+            for s in [(2048, 2048)] * 4
+        ]
+        torch._dynamo.reset()
+        ref = grads_of(torch.compile(mlp, backend="inductor", fullgraph=True), inputs)
+        torch._dynamo.reset()
+        compiled = torch.compile(mlp, backend="inductor", fullgraph=True)
+        for _ in range(3):
+            got = grads_of(compiled, inputs, hooks.cpu_offload())
             self.assertGradsEqual(got, ref, exact=True)
 
 

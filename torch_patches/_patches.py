@@ -165,4 +165,18 @@ PATCHES: tuple[Patch, ...] = (
         issue=7,
         tests=("test/test_offload.py",),
     ),
+    Patch(
+        name="inductor.no_inplace_reuse",
+        target=f"{_IW}:PythonWrapperCodegen.can_reuse",
+        replacement=f"{_TP}_inductor.codegen.wrapper:make_can_reuse",
+        wraps=True,
+        summary="[inductor] No in-place reuse of buffers an op still reads asynchronously",
+        upstream=f"{_BLOB}torch/_inductor/codegen/wrapper.py",
+        retire_when="Inductor can mark a buffer as not reusable without keeping it alive to the end of the graph",
+        fingerprints=_fp("inductor.no_inplace_reuse"),
+        depends_on=("torch._inductor.scheduler:BaseSchedulerNode.decide_inplace_update",),
+        after=("inductor.free_without_reuse",),
+        issue=7,
+        tests=("test/test_offload.py",),
+    ),
 )

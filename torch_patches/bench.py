@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -293,8 +294,17 @@ def run_in_subprocess(case: Case, timeout: float = 900) -> dict[str, Any]:
         timeout=timeout,
     )
     if proc.returncode != 0:
-        return {"case": dataclasses.asdict(case), "label": case.label, "error": proc.stderr.strip().splitlines()[-1:]}
+        return {"case": dataclasses.asdict(case), "label": case.label, "error": _exception_line(proc.stderr)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _exception_line(stderr: str) -> list[str]:
+    """The worker's exception (``AssertionError: ...``), not the hint torch prints after it."""
+    lines = stderr.strip().splitlines()
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Unsupported)\b.*:", line):
+            return [line]
+    return lines[-1:]
 
 
 def cases_for(

@@ -75,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -171,7 +172,8 @@ def reload_start(
     """Start copying host tensor ``cpu`` to ``device``; returns the copy's ticket.
 
     The destination has strides ``stride`` (``None``: ``cpu``'s).  The ticket is a 0-d
-    int64 CPU tensor; pass it to :func:`reload_wait` (exactly once).
+    int64 CPU tensor; pass it to :func:`reload_wait` (exactly once).  A ticket freed
+    without being waited for releases the copy (its destination) with it.
     """
     ticket = next(_tickets)
     if not _is_cuda(device):
@@ -187,7 +189,11 @@ def reload_start(
             event = torch.cuda.Event()
             event.record(side)
         _in_flight[ticket] = _InFlight(dst, event, cpu)
-    return torch.tensor(ticket, dtype=torch.int64)
+    out = torch.tensor(ticket, dtype=torch.int64)
+    # A ticket dropped unwaited (a backward that raised between the two ops) takes its
+    # entry, and with it the destination's device memory, along.
+    weakref.finalize(out, _in_flight.pop, ticket, None)
+    return out
 
 
 @reload_start.register_fake

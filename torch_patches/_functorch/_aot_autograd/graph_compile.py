@@ -315,7 +315,7 @@ def _trace_hook(
 
     def fail(reason: str, cause: BaseException | None = None) -> SavedTensorsHookError:
         where = "" if saved is None else (
-            f" for saved tensor {saved.name!r} ({_describe_val(saved.meta.get('val'))})"
+            f" for saved tensor {saved.name!r} ({hook_utils.describe_value(saved.meta.get('val'))})"
         )
         err = SavedTensorsHookError(
             f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason
@@ -472,12 +472,6 @@ def _no_side_effects(fn: Any) -> Iterator[list[str]]:
         sys.stdout, sys.stderr = old
         _SideEffectProbe._active.records = None
         records[:] = list(dict.fromkeys(records))
-
-
-def _describe_val(val: Any) -> str:
-    if isinstance(val, torch.Tensor):
-        return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)} on {val.device.type}"
-    return type(val).__name__
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -700,7 +694,7 @@ def _inline(
         elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
             why = "unused by the backward"
         if why is not None:
-            artifact.debug("saved %s (%s) left unhooked: %s", saved.name, _describe_val(val), why)
+            artifact.debug("saved %s (%s) left unhooked: %s", saved.name, hook_utils.describe_value(val), why)
             continue
         hookable[saved] = pair
     # A saved tensor that is a pure alias (detach, alias) of another hooked saved tensor is
@@ -760,7 +754,7 @@ def _inline(
         artifact.debug(
             "saved %s (%s): %s",
             plan.saved.name,
-            _describe_val(plan.saved.meta["val"]),
+            hook_utils.describe_value(plan.saved.meta["val"]),
             plan.pair.names,
         )
     fw_g.lint()
@@ -829,7 +823,7 @@ def _check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node)
         reason = f"{what} mismatch: expected {expected}, got {got}"
         return SavedTensorsHookError(
             f"unpack hook {hook} returned a tensor that does not match saved tensor "
-            f"{saved.name!r}: {reason} (expected {_describe_val(val)}, got {_describe_val(out)})",
+            f"{saved.name!r}: {reason} (expected {hook_utils.describe_value(val)}, got {hook_utils.describe_value(out)})",
             hook=hook,
             reason=reason,
         )

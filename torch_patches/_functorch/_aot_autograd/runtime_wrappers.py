@@ -50,15 +50,24 @@ class _Unhooked:
 
 
 class _Hooked:
-    __slots__ = ("packed", "dtype", "shape", "device")
+    __slots__ = ("packed", "dtype", "shape", "device", "stride")
 
     def __init__(self, packed: Any, t: torch.Tensor) -> None:
         self.packed = packed
-        self.dtype, self.shape, self.device = t.dtype, t.shape, t.device
+        self.dtype, self.shape, self.device, self.stride = t.dtype, t.shape, t.device, t.stride()
 
 
-def _describe(dtype: torch.dtype, shape: Any, device: torch.device) -> str:
-    return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device.type}"
+def _restride(out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``out`` with the saved tensor's strides: a compiled backward was built for them
+    (Inductor asserts them), but a hook may hand back a compact copy of a view with gaps
+    (``q`` of a fused qkv projection) or a transposed tensor."""
+    if out.dim() == len(stride) and all(
+        size < 2 or a == b for size, a, b in zip(out.shape, out.stride(), stride)
+    ):
+        return out
+    fixed = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device)
+    fixed.copy_(out)
+    return fixed
 
 
 def _contract_hooks(
@@ -83,8 +92,8 @@ def _contract_hooks(
             )
             if got != (p.dtype, p.shape, p.device):
                 hook = hook_utils.hook_name(unpack)
-                expected = _describe(p.dtype, p.shape, p.device)
-                found = _describe(*got) if got else type(out).__name__
+                expected = hook_utils.describe_tensor(p.dtype, p.shape, p.device)
+                found = hook_utils.describe_tensor(*got) if got else type(out).__name__
                 raise SavedTensorsHookError(
                     f"unpack hook {hook} returned {found} for a saved tensor of "
                     f"{expected} (hooks run by a compiled graph must give back the "
@@ -92,6 +101,8 @@ def _contract_hooks(
                     hook=hook,
                     reason=f"expected {expected}, got {found}",
                 )
+        if isinstance(out, torch.Tensor) and out.shape == p.shape:
+            out = _restride(out, p.stride)
         return out
 
     return contract_pack, contract_unpack
@@ -102,9 +113,6 @@ def python_hooks_contract() -> Iterator[None]:
     """Run the ambient Python hooks under the hook contract for one compiled call."""
     hooks = hook_utils.top_saved_tensors_hooks()
     if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        yield
-        return
-    if config.hooked_saved_tensor_dtypes == "all" and not config.validate_unpack:
         yield
         return
     with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):

@@ -10,6 +10,7 @@ key hooks by *content*, so an identical hook recreated every step is the same ho
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import types
 import weakref
@@ -62,6 +63,18 @@ def is_hookable_dtype(dtype: torch.dtype) -> bool:
             f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
         )
     return dtype.is_floating_point or dtype.is_complex
+
+
+def describe_tensor(dtype: torch.dtype, shape: Any, device: torch.device) -> str:
+    """``float32[4, 8] on cpu``: a tensor in errors and logs."""
+    return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device.type}"
+
+
+def describe_value(val: Any) -> str:
+    """A tensor as :func:`describe_tensor` writes it; anything else by its type's name."""
+    if isinstance(val, torch.Tensor):
+        return describe_tensor(val.dtype, val.shape, val.device)
+    return type(val).__name__
 
 
 def hook_name(fn: Any) -> str:
@@ -123,8 +136,8 @@ class _Keyer:
             key = _tensor_key(v)
             if key[0] == "tensor-ref":
                 self.process_local.append(
-                    f"captures a {str(v.dtype).replace('torch.', '')}{list(v.shape)} tensor on "
-                    f"{v.device} (keyed by identity: only small CPU tensors are keyed by value)"
+                    f"captures a {describe_tensor(v.dtype, v.shape, v.device)} tensor "
+                    "(keyed by identity: only small CPU tensors are keyed by value)"
                 )
             return key
         if isinstance(v, (tuple, list, frozenset, set)):
@@ -221,8 +234,18 @@ def _cell_filled(cell: Any) -> bool:
     return True
 
 
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
 def _collect_names(co: types.CodeType, out: set[str]) -> None:
-    out.update(co.co_names)
+    """Global names the code (and code nested in it) reads or writes.
+
+    Not ``co_names``: it also holds attribute names, so ``torch.ops.torch_patches.offload``
+    would drag in a module global that happens to be called ``offload``.
+    """
+    out.update(
+        ins.argval for ins in dis.get_instructions(co) if ins.opname in _GLOBAL_LOADS
+    )
     for c in co.co_consts:
         if isinstance(c, types.CodeType):
             _collect_names(c, out)
