@@ -39,7 +39,9 @@ CUDA (written without a GPU to run it on; see the test file's CUDA-only tests):
   that marks the buffers it reads *free without reuse* (patch ``inductor.free_without_reuse``
   in ``torch_patches/_inductor/codegen/wrapper.py``): a plain ``del`` at the op, back to the
   caching allocator (held by ``record_stream`` until the copy is done), never a reuse
-  candidate.  The forward never waits for the device-to-host copy, so it overlaps the
+  candidate, in place included (patch ``inductor.no_inplace_reuse``: Inductor realizes
+  pointwise ops lazily, so ``gelu(mm)`` runs *after* the offload of ``mm``'s output and, as
+  its last reader, would write its output into that buffer in place).  The forward never waits for the device-to-host copy, so it overlaps the
   compute that follows.
 * ``reload_start``: on ``side``, allocates the destination (so the block belongs to ``side``)
   and copies host-to-device (``non_blocking``), records an event;
