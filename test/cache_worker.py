@@ -71,6 +71,10 @@ def model_in_region(x, w):
 def main():
     spec = json.loads(sys.argv[1])
     torch_patches.apply()
+    from torch_patches import config
+
+    for knob, value in spec.get("config", {}).items():
+        setattr(config, knob, value)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 8, generator=gen, requires_grad=True)
     w = torch.randn(8, 8, generator=gen, requires_grad=True)

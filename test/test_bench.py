@@ -14,10 +14,13 @@ import sys
 import tempfile
 import unittest
 
+import pytest
+
 from torch_patches import bench
 
 
 class TestBench(unittest.TestCase):
+    @pytest.mark.slow
     def test_cpu_offload_rows(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "bench.json")

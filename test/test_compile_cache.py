@@ -13,12 +13,13 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 
 from torch_patches._dynamo.output_graph import hook_subgraph
-from torch_patches._functorch._aot_autograd.utils import hook_cache_hash
+from torch_patches._functorch._aot_autograd.utils import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable
 from torch_patches.testing import TestCase
 
@@ -39,6 +40,7 @@ torch.fx.wrap("hashed")
 torch.fx.wrap("unhashed")
 
 
+@pytest.mark.slow
 class TestCompileCache(TestCase):
     def setUp(self):
         super().setUp()
@@ -106,9 +108,20 @@ class TestCompileCache(TestCase):
         self.assertDifferentGrads(three, two)
         # Not the entry of the same hooks entered around the compiled call.
         self.assertCache(self.step(hook="marked"), "miss")
+        # The whole torch_patches config is part of the scope's key, as for ambient hooks.
+        boundary = {"hook_placement": "boundary"}
+        self.assertCache(self.step(hook="marked", in_region=True, config=boundary), "miss")
+        self.assertCache(self.step(hook="marked", in_region=True, config=boundary), "hit")
+        self.assertCache(self.step(hook="marked", config={"unpack_prefetch_distance": 1}), "miss")
 
-    def test_leaf_without_user_cache_hash_bypasses(self):
-        self.assertCache(self.step(hook="leaf"), "bypass")
+    def test_leaf_without_user_cache_hash_is_keyed_by_its_code(self):
+        # make_fx traces through fx.wrap leaves: their code (walked like the hook's own) keys
+        # the entry; test_hook_identity checks that a changed leaf misses.
+        first = self.step(hook="leaf")
+        self.assertCache(first, "miss")
+        hit = self.step(hook="leaf")
+        self.assertCache(hit, "hit")
+        self.assertSameGrads(hit, first)
 
     def test_leaf_with_user_cache_hash_hits_and_value_change_misses(self):
         first = self.step(hook="leaf", leaf_hash="v1")
@@ -176,7 +189,7 @@ class TestHookCacheKey(TestCase):
             for _ in range(2)
         }
         self.assertEqual(len(digests), 1)
-        self.assertExpectedInline(digests.pop(), """ce5e14e2ce77f6d3ef5e""")
+        self.assertExpectedInline(digests.pop(), """71c3053a54cc5a7ed169934f""")
 
     def test_process_local_parts_have_no_key(self):
         big = torch.randn(100, 100)
@@ -194,17 +207,18 @@ class TestHookCacheKey(TestCase):
         def with_unhashed(x):
             return unhashed(x) * 2
 
-        self.assertIsNotNone(hook_cache_hash(torch.fx.symbolic_trace(with_hashed))[0])
-        digest, reasons = hook_cache_hash(torch.fx.symbolic_trace(with_unhashed))
-        self.assertIsNone(digest)
-        self.assertIn("without a user_cache_hash", reasons[0])
+        hashed_key = hook_cache_hash(torch.fx.symbolic_trace(with_hashed))[0]
+        self.assertIsNotNone(hashed_key)
+        # An fx.wrap leaf without a user_cache_hash is keyed by its code.
+        self.assertIsNotNone(hook_cache_hash(torch.fx.symbolic_trace(with_unhashed))[0])
 
     def test_installed_subgraph_carries_the_key(self):
         gm = torch.fx.symbolic_trace(lambda x: x * 2)
-        sub = hook_subgraph(gm, "pack")
+        key = hooks_cache_key(gm, gm)
+        sub = hook_subgraph(gm, "pack", key)
         (call,) = [n for n in sub.graph.nodes if n.op == "call_function"]
         self.assertTrue(call.meta["is_wrapped"])
-        self.assertIn(hook_cache_hash(gm)[0], call.meta["user_cache_hash"])
+        self.assertIn(key[0], call.meta["user_cache_hash"])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import types
 import unittest.mock as mock
 import warnings
 
+import pytest
 import torch
 from torch._dynamo.test_case import run_tests
 
@@ -287,6 +288,7 @@ class TestCli(TestCase):
         records = json.loads(out.stdout)
         self.assertTrue(all(r["fingerprint_ok"] for r in records))
 
+    @pytest.mark.slow
     def test_demo_command(self):
         out = subprocess.run(
             [sys.executable, "-m", "torch_patches", "demo", "--device", "cpu"],

@@ -60,6 +60,7 @@ class TestCase(torch._dynamo.test_case.TestCase):
         super().setUp()
         # "One warning per untraceable hook" holds per test, not only per process.
         graph_compile._warned.clear()
+        graph_compile._warned_objects.clear()
         if upstream_form_config_map() is not None:
             _use_upstream_form(self)  # torch's own sources hold the patches
         elif self.apply_patches:

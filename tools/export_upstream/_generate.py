@@ -71,6 +71,10 @@ KNOB_NAMES = {
     "untraceable_hook": "saved_tensors_hooks_untraceable",
 }
 _CONFIG_MARK = "install_config_module(sys.modules[__name__])"
+#: Methods ``install_config_module`` gives a config module (not definitions of ours).
+CONFIG_MODULE_API = frozenset(
+    {"get_config_copy", "save_config", "save_config_portable", "get_hash", "patch", "load_config"}
+)
 
 
 def knob_upstream_name(name: str) -> str:
@@ -550,6 +554,11 @@ class _Job:
             return self.state.placed[key]
         src = self.ex.tp_source(tp_module)
         b = src.bindings.get(name)
+        if b is None and name in CONFIG_MODULE_API and self.ex._is_config_module(tp_module):
+            # The config-module API (a snapshot of every knob...): upstream's config module
+            # has the same methods, over a superset of our knobs.
+            self.state.placed[key] = (CONFIG_HOME, name)
+            return self.state.placed[key]
         if b is None:
             raise ExportError(f"{tp_module} has no top-level definition {name!r}")
         if b.kind == "import":

@@ -1,12 +1,17 @@
-"""Guard compiled frames on the *content* of the saved-tensors hooks around them.
+"""Guard compiled frames on what the saved-tensors hooks around them compute.
 
 Upstream counterpart: ``GuardBuilder.AUTOGRAD_SAVED_TENSORS_HOOKS`` in
 ``torch/_dynamo/guards.py``, which compares the hooks' ``id()``: a training loop that
-recreates an identical hook every step recompiles every step, and non-inlineable hooks
-are indistinguishable from no hooks at all.  We compare
-``hooks_guard_key``: None (no hooks), ("eager",) (Python hooks: their identity does
-not matter to the graph, only that they run), or ("inline", pack digest, unpack
-digest) for hooks baked into the graphs.
+recreates an identical hook every step recompiles every step, a hook object freed and
+recreated at the same address with another setting passes, and entering Python hooks
+around a graph compiled without them recompiles although the graph is the same.
+
+We compare ``hooks_guard_state``'s key: None for no hooks and for hooks that run as Python
+hooks (the graph does not depend on them), or ("inline", pack key, unpack key, config) for
+hooks baked into the graphs, where each key holds every dependency of the hook
+(``torch_patches._hook_identity``: code, closures, globals, attributes of modules and
+objects, captured tensors, recursively). The guard holds the objects keyed by identity
+(large captured tensors) so their ids cannot be reused while it lives.
 """
 
 from __future__ import annotations
@@ -16,20 +21,25 @@ from typing import Any
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
-def _current_key() -> Any:
-    return hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks())
+def _current_state() -> tuple[Any, tuple[Any, ...]]:
+    return hook_utils.hooks_guard_state(hook_utils.top_saved_tensors_hooks())
+
+
+def _guard_code(expected: Any) -> list[str]:
+    return [f"torch_patches saved_tensors_hooks key == {hook_utils.describe_guard_key(expected)}"]
 
 
 def AUTOGRAD_SAVED_TENSORS_HOOKS(self: Any, guard: Any) -> None:
     from torch._dynamo.guards import get_verbose_code_parts
 
-    expected = _current_key()
-    code = [f"torch_patches saved_tensors_hooks content key == {expected!r}"]
+    expected, pins = _current_state()
+    code = _guard_code(expected)
     self._set_guard_export_info(guard, code)
 
     def check(_: object) -> bool:
-        return _current_key() == expected
+        return _current_state()[0] == expected
 
+    check.pins = pins  # type: ignore[attr-defined]  # alive as long as the guard
     self.guard_manager.root.add_lambda_guard(
         check, get_verbose_code_parts(code, guard), guard.user_stack
     )

@@ -7,12 +7,13 @@ which hooks the graph was compiled for.  Upstream installs a GraphModule hook it
 AOTAutogradCache bypasses the most common hooks (``symbolic_trace`` records tensor methods
 as ``call_method`` on placeholders without example values) and cannot see plain-function
 hooks at all.  We install, for every inlineable hook (GraphModule or function marked
-``torch_patches.hooks.inlineable``), one opaque leaf call carrying the hook's *content*
-digest as ``user_cache_hash`` (code, constants, captured values, the ``user_cache_hash`` of
-fx.wrap leaves it calls, and the torch_patches config that changes compiled graphs): same
-content hits in a fresh process, changed content misses.  Where the digest cannot be
-computed across processes (a leaf without a user_cache_hash, a captured tensor keyed by
-identity), no ``user_cache_hash`` is set, so AOTAutogradCache bypasses, and we log why.
+``torch_patches.hooks.inlineable``), one opaque leaf call carrying the pair's identity
+digest as ``user_cache_hash`` (``hooks_cache_key``: every dependency of both hooks, walked
+by ``torch_patches._hook_identity``, and the whole torch_patches config): the same hooks hit
+in a fresh process, any changed dependency misses.  Where part of the key is process-local
+(a large captured tensor, keyed by identity), no ``user_cache_hash`` is set, so
+AOTAutogradCache bypasses (lookup and save), and we log why; hooks that cannot be keyed at
+all are not installed (the inliner reports them and they run as eager hooks).
 Hooks that stay eager say why, once per compilation, in the debug log.
 """
 
@@ -28,21 +29,6 @@ from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
 log = logging.getLogger(__name__)
-
-
-def _compile_config_key() -> str:
-    """The torch_patches knobs that change what a compiled graph does with hooks."""
-    from torch_patches import config
-
-    return repr(
-        (
-            config.hook_placement,
-            config.unpack_prefetch_distance,
-            config.reload_prefetch_distance,
-            config.hooked_saved_tensor_dtypes,
-            config.validate_unpack,
-        )
-    )
 
 
 def saved_tensors_pack_hook(x: Any) -> Any:
@@ -63,24 +49,26 @@ def saved_tensors_unpack_hook(x: Any) -> Any:
 _STAND_INS = {"pack": saved_tensors_pack_hook, "unpack": saved_tensors_unpack_hook}
 
 
-def hook_subgraph(fn: Any, role: str) -> fx.GraphModule:
-    """A GraphModule standing for one inlineable hook in the compile caches' key."""
+def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -> fx.GraphModule:
+    """A GraphModule standing for one inlineable hook in the compile caches' key.
+
+    ``cache_key`` is ``hooks_cache_key(pack, unpack)`` of the pair: both hooks and the whole
+    torch_patches config (the same function keys in-region scopes).
+    """
     graph = fx.Graph()
     x = graph.placeholder("x")
     call = graph.create_node("call_function", _STAND_INS[role], (x,), name=role)
     call.meta["is_wrapped"] = True
-    digest, reasons = hook_utils.hook_cache_hash(fn)
+    digest, reasons = cache_key
     if digest is None:
         log.info(
-            "saved tensors %s hook %s has no cache key valid across processes, so "
-            "AOTAutogradCache will bypass this graph: %s. Give fx.wrap leaves a hash with "
-            "torch_patches.hooks.cache_hash(...)",
-            role,
+            "saved tensors hooks %s have no cache key valid across processes, so "
+            "AOTAutogradCache will bypass this graph: %s",
             hook_utils.hook_name(fn),
             "; ".join(reasons),
         )
     else:
-        call.meta["user_cache_hash"] = f"torch_patches:{digest}:{_compile_config_key()}"
+        call.meta["user_cache_hash"] = f"torch_patches:{role}:{digest}"
     graph.output(call)
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return fx.GraphModule(torch.nn.Module(), graph, class_name=f"saved_tensors_{role}_hook_{name}")
@@ -102,8 +90,15 @@ def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
             hook_utils.hook_name(unpack),
         )
         return None
+    unkeyable = hook_utils.unkeyable_reasons(hooks)
+    if unkeyable:
+        # The inliner reports these (a warning, or an error under fullgraph) and the graph
+        # keeps eager hook semantics: nothing for the caches to key.
+        log.debug("saved tensors hooks %s cannot be keyed: %s", hook_utils.hook_name(pack), "; ".join(unkeyable))
+        return None
+    cache_key = hook_utils.hooks_cache_key(pack, unpack)
     names = [
-        self.install_subgraph(f"saved_tensors_hooks_{role}", hook_subgraph(fn, role))
+        self.install_subgraph(f"saved_tensors_hooks_{role}", hook_subgraph(fn, role, cache_key))
         for role, fn in (("pack", pack), ("unpack", unpack))
     ]
     if names != ["saved_tensors_hooks_pack_0", "saved_tensors_hooks_unpack_0"]:

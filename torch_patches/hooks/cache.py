@@ -15,10 +15,11 @@ def cache_hash(value: str) -> Callable[[F], F]:
     """Give an ``fx.wrap`` leaf function a ``user_cache_hash`` for the compile caches.
 
     A hook traced with ``torch.fx.symbolic_trace`` keeps ``fx.wrap``-ed functions as opaque
-    calls: the compile caches cannot see what they do, so a graph whose hooks call one
-    bypasses AOTAutogradCache unless the call carries a ``user_cache_hash``. Decorate the
-    leaf with a value that changes whenever its behaviour does (a version string, a hash of
-    its source and constants)::
+    calls. Without a hash, torch_patches keys such a leaf by its code (walked like the hook's
+    own: defaults, closures, globals, attributes it names). A ``user_cache_hash`` replaces
+    that walk with your promise: use it for a leaf whose behaviour depends on what the walk
+    cannot see (a compiled extension, a file). Decorate the leaf with a value that changes
+    whenever its behaviour does (a version string, a hash of its source and constants)::
 
         @torch_patches.hooks.cache_hash("quantize-v2")
         def quantize(x): ...

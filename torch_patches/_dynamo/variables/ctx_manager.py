@@ -38,6 +38,7 @@ from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._hook_identity import hook_identity
 
 
 log = logging.getLogger(__name__)
@@ -120,18 +121,24 @@ def _python_value(tx: Any, vt: VariableTracker) -> tuple[Any, Any, bool]:
 
 
 def _content_guard(source: Any, fn: Any) -> None:
-    """Guard ``source`` on the hook's content (not its identity)."""
+    """Guard ``source`` on every dependency of the hook (``hook_identity``), not its id.
+
+    Installed whether or not Dynamo also guards the source: Dynamo's own guard on a
+    function is its identity, which does not see a module attribute or a captured object
+    the hook reads change.
+    """
     from torch._dynamo.guards import get_verbose_code_parts, install_guard
     from torch._guards import Guard
 
-    expected = hook_utils.cached_content_hash(fn)
+    expected = hook_identity(fn)
 
     def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
-        code = [f"torch_patches saved tensors hook content of {_source_name(source)} == {expected!r}"]
+        code = [f"torch_patches saved tensors hook key of {_source_name(source)} == {expected.digest!r}"]
 
         def check(value: Any) -> bool:
-            return hook_utils.is_inlineable_hook(value) and hook_utils.cached_content_hash(value) == expected
+            return hook_utils.is_inlineable_hook(value) and hook_identity(value).same_as(expected)
 
+        check.pins = expected.pins  # type: ignore[attr-defined]  # alive as long as the guard
         builder.get_guard_manager(guard).add_lambda_guard(
             check, get_verbose_code_parts(code, guard), guard.user_stack
         )
@@ -191,6 +198,17 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                     ),
                     hints=[],
                 )
+            if source is None:
+                unimplemented(
+                    gb_type="torch_patches: saved_tensors_hooks with hooks Dynamo cannot guard",
+                    context=f"{role} hook: {hook_utils.hook_name(value)}",
+                    explanation=(
+                        f"the {role} hook {hook_utils.hook_name(value)} was not read from a "
+                        "variable, attribute or argument Dynamo can guard, so a change to it "
+                        "could not be detected. Pass the hooks in, or read them from a global."
+                    ),
+                    hints=[],
+                )
             hooks.append((value, source, guard_here))
         (pack, pack_src, pack_guard), (unpack, unpack_src, unpack_guard) = hooks
 
@@ -209,8 +227,8 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                 hints=["Make the hook pure and traceable (no .item(), I/O, data-dependent control flow)."],
                 from_exc=error,
             )
-        for fn, source, guard_here in hooks:
-            if guard_here:
+        for fn, source, _ in hooks:
+            if source is not None:
                 _content_guard(source, fn)
 
         key = _register_scope(tx, pair)
@@ -300,16 +318,15 @@ def _register_scope(tx: Any, pair: Any) -> str:
     """Register ``pair`` for the inliner; install its cache-key stand-in on the graph."""
     from torch_patches._functorch._aot_autograd import graph_compile
 
-    digests = [hook_utils.hook_cache_hash(fn) for fn in (pair.pack, pair.unpack)]
-    reasons = [r for _, rs in digests for r in rs]
-    if reasons:
-        # No digest valid across processes: a key that can never hit, and no cache entry.
+    digest, reasons = hook_utils.hooks_cache_key(pair.pack, pair.unpack)
+    if digest is None:
+        # No key valid across processes: a key that can never hit, and no cache entry.
         key = f"local-{uuid.uuid4().hex}"
         graph_compile.mark_not_cacheable(
             f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
         )
     else:
-        key = "scope-" + hook_utils._digest(tuple(d for d, _ in digests))
+        key = "scope-" + digest
     output = tx.output
     installed: dict[str, Any] = output.__dict__.setdefault("_torch_patches_scopes", {})
     if key not in installed:

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx, py_sym_type
 from torch_patches import _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._hook_identity import hook_identity
 
 
 log = logging.getLogger(__name__)
@@ -95,19 +98,28 @@ def _compile_id() -> Any:
     return CompileContext.current_compile_id()
 
 
-_warned: set[str | None] = set()
+_warned: set[Any] = set()
+_warned_objects: weakref.WeakSet[Any] = weakref.WeakSet()  # a hook that mutates itself
 
 
 def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> None:
     """Warn that a hook could not be inlined: once per hook in a process.
 
-    A hook entered inside a region is reported when Dynamo enters it; the block then runs
-    eagerly and its graph sees the same hook as ambient: one warning covers both.
+    "One hook" is one identity (``hook_identity``): a hook recreated every step warns once,
+    two different hooks with the same name warn once each. A hook entered inside a region is
+    reported when Dynamo enters it; the block then runs eagerly and its graph sees the same
+    hook as ambient: one warning covers both.
     """
-    key = error.hook
-    if key in _warned:
+    key = (error.hook, getattr(error, "identity", None))
+    fn = getattr(error, "hook_object", None)
+    if key in _warned or (fn is not None and fn in _warned_objects):
         return
     _warned.add(key)
+    if fn is not None:
+        try:
+            _warned_objects.add(fn)
+        except TypeError:
+            pass
     warnings.warn(
         f"torch_patches: {error}. {consequence}. Compile with fullgraph=True to make "
         "this an error.",
@@ -285,6 +297,39 @@ class _Traced:
     out_vals: Any  # same structure, with example values
 
 
+def _hook_error(
+    fn: Any,
+    reason: str,
+    cause: BaseException | None = None,
+    *,
+    role: str,
+    pair: HookPair,
+    saved: fx.Node | None,
+) -> SavedTensorsHookError:
+    """The error that says why ``fn`` cannot be inlined (for ``saved``, where known)."""
+    hook = hook_utils.hook_name(fn)
+    where = "" if saved is None else (
+        f" for saved tensor {saved.name!r} ({hook_utils.describe_value(saved.meta.get('val'))})"
+    )
+    err = SavedTensorsHookError(
+        f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason
+    )
+    err.scope = pair.label  # type: ignore[attr-defined]
+    err.identity = hook_identity(fn).digest  # type: ignore[attr-defined]
+    err.hook_object = fn  # type: ignore[attr-defined]
+    err.__cause__ = cause
+    return err
+
+
+def check_keyable(pair: HookPair) -> None:
+    """Raise if a dependency of the pair cannot be keyed (outcome (c) of ``_hook_identity``):
+    a graph with it baked in could be reused after it changed, so it is not inlined."""
+    for role, fn in (("pack", pair.pack), ("unpack", pair.unpack)):
+        reasons = hook_identity(fn).unkeyable
+        if reasons:
+            raise _hook_error(fn, reasons[0], role=role, pair=pair, saved=None)
+
+
 def _trace_hook(
     fn: Callable[..., Any],
     example: Any,
@@ -311,18 +356,7 @@ def _trace_hook(
                 )
         return out
 
-    hook = hook_utils.hook_name(fn)
-
-    def fail(reason: str, cause: BaseException | None = None) -> SavedTensorsHookError:
-        where = "" if saved is None else (
-            f" for saved tensor {saved.name!r} ({hook_utils.describe_value(saved.meta.get('val'))})"
-        )
-        err = SavedTensorsHookError(
-            f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason
-        )
-        err.scope = pair.label  # type: ignore[attr-defined]
-        err.__cause__ = cause
-        return err
+    fail = functools.partial(_hook_error, fn, role=role, pair=pair, saved=saved)
 
     before = _purity_key(fn)
     try:
@@ -333,6 +367,7 @@ def _trace_hook(
                 else {}
             ),
             _disable_saved_tensors_hooks_during_tracing(),
+            _captured_tensors_as_constants(flat),
             _no_side_effects(fn) as effects,
         ):
             gm = make_fx(
@@ -380,6 +415,31 @@ def _trace_hook(
     return _Traced(gm, out_args, out_vals)
 
 
+@__import__("contextlib").contextmanager
+def _captured_tensors_as_constants(flat: list[Any]) -> Iterator[None]:
+    """Let the hook use real tensors it captured (a scale, a buffer, a parameter).
+
+    make_fx records each as a constant of the traced graph (``get_attr``), which the
+    inliner moves onto the forward/backward module: the compiled graph holds the tensor
+    itself, never a copy or its printed values, whatever its size. The fake mode has to
+    accept them as inputs for that (it would otherwise refuse with an internal assertion
+    that prints the tensor element by element). Whether a captured tensor may be reused is
+    the guard's business (``_hook_identity``: small CPU tensors by value, others by
+    identity and version).
+    """
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+    modes = {id(m): m for m in (maybe_get_fake_mode(x) for x in flat) if m is not None}
+    saved = [(m, m.allow_non_fake_inputs) for m in modes.values()]
+    for m, _ in saved:
+        m.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        for m, value in saved:
+            m.allow_non_fake_inputs = value
+
+
 def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
     """Trace ``pair`` on a stand-in activation (fake float32[4, 8]); the error, if any.
 
@@ -394,6 +454,7 @@ def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
     with FakeTensorMode(shape_env=ShapeEnv()):
         example = torch.empty(4, 8)
     try:
+        check_keyable(pair)
         packed = _trace_hook(pair.pack, example, aot_config=None, role="pack", pair=pair, saved=None, bw_graph=None)
         _trace_hook(pair.unpack, packed.out_vals, aot_config=None, role="unpack", pair=pair, saved=None, bw_graph=None)
     except SavedTensorsHookError as e:
@@ -415,19 +476,29 @@ _MODULE_FILES = (".py", ".pyc", ".so", ".pyd")
 
 
 class _SideEffectProbe:
-    """Records I/O attempted while a hook is traced (print, files, processes, sockets)."""
+    """Records I/O a plain-function hook attempts while it is traced (files, processes,
+    sockets), through a Python audit hook.
+
+    Prints are found before tracing, in the hook's code (``_hook_identity``: a hook that
+    reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
+    Audit hooks cannot be removed (PEP 578): ours is added once, at the first trace of a
+    plain-function hook, and records only in the thread that is tracing, while it traces;
+    at any other time, and after ``torch_patches.unapply()``, it returns at once.
+    """
 
     _installed = False
+    _lock = threading.Lock()
     _active = threading.local()
     _EVENTS = ("open", "os.", "subprocess.", "socket.", "shutil.", "builtins.input")
 
     @classmethod
     def install(cls) -> None:
-        if not cls._installed:
-            import sys
+        with cls._lock:
+            if not cls._installed:
+                import sys
 
-            sys.addaudithook(cls._audit)
-            cls._installed = True
+                sys.addaudithook(cls._audit)
+                cls._installed = True
 
     @classmethod
     def _audit(cls, event: str, args: tuple[Any, ...]) -> None:
@@ -440,36 +511,18 @@ class _SideEffectProbe:
             records.append(event)
 
 
-class _Writes:
-    def __init__(self, name: str, records: list[str]) -> None:
-        self.name, self.records = name, records
-
-    def write(self, s: str) -> int:
-        if s:
-            self.records.append(f"writes to {self.name}")
-        return len(s)
-
-    def flush(self) -> None:
-        pass
-
-
 @__import__("contextlib").contextmanager
 def _no_side_effects(fn: Any) -> Iterator[list[str]]:
-    """Collect I/O a plain-function hook performs while it is traced."""
-    import sys
-
+    """Collect I/O a plain-function hook performs while it is traced (this thread only)."""
     records: list[str] = []
     if isinstance(fn, torch.fx.GraphModule):
         yield records
         return
     _SideEffectProbe.install()
     _SideEffectProbe._active.records = records
-    old = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Writes("stdout", records), _Writes("stderr", records)
     try:
         yield records
     finally:
-        sys.stdout, sys.stderr = old
         _SideEffectProbe._active.records = None
         records[:] = list(dict.fromkeys(records))
 
@@ -551,7 +604,30 @@ def _copy_into(
         new.meta[HOOK_META] = dict(tag)
         env[node] = new
         new_nodes.append(new)
+        if node.op == "get_attr" and isinstance(getattr(owner, target), torch.Tensor):
+            # Read the constant through lift_fresh, as AOTAutograd does for constants it
+            # traces: fake-tensor propagation of the graph (Inductor re-runs it) accepts a
+            # real tensor only there. lift_fresh returns its input (no copy; Inductor: a
+            # nop). 0-d constants take lift_fresh_copy: Inductor inlines them as a scalar,
+            # which only a computation (the copy, fused into its reader) can consume.
+            value = getattr(owner, target)
+            lift = torch.ops.aten.lift_fresh_copy if value.dim() == 0 else torch.ops.aten.lift_fresh
+            lifted = graph.call_function(lift.default, (new,))
+            lifted.meta = {"val": _fake_constant(value, env), HOOK_META: dict(tag)}
+            env[node] = lifted
+            new_nodes.append(lifted)
     return new_nodes
+
+
+def _fake_constant(value: torch.Tensor, env: dict[fx.Node, Any]) -> Any:
+    """A fake of ``value`` in the fake mode of the graph being edited, for node meta."""
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+    for known in env.values():
+        mode = maybe_get_fake_mode(known.meta.get("val")) if isinstance(known, fx.Node) else None
+        if mode is not None:
+            return mode.from_tensor(value, static_shapes=True)
+    return None
 
 
 def _mutates(user: fx.Node, arg: fx.Node) -> bool:
@@ -680,6 +756,9 @@ def _inline(
         fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
     )
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+
+    for pair in dict.fromkeys(p for _, p in candidates):
+        check_keyable(pair)
 
     # Phase 1: trace every hook. Nothing is modified until all of them traced.
     plans: list[_SavedPlan] = []

@@ -126,11 +126,13 @@ def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] 
     hooks = hook_utils.top_saved_tensors_hooks()
     inlined = graph_compile.take_decision()
     if hooks is None:
-        return None
+        # Compiled without hooks: its guard also admits Python hooks (they do not change
+        # the graph), which then run under the contract.
+        return python_hooks_contract
     if inlined is None:
-        # No inlining attempt in this thread (a cache hit): inlineable hooks were
+        # No inlining attempt in this thread (a cache hit): keyable inlineable hooks were
         # inlined, since graphs whose hooks fell back to eager are never cached.
-        inlined = hook_utils.saved_tensors_hooks_are_inlineable(hooks)
+        inlined = hook_utils.hooks_guard_key(hooks) is not None
     if inlined:
         from torch._functorch._aot_autograd import runtime_wrappers
 

@@ -1,0 +1,41 @@
+"""One training step with one identity kind's hooks, in a fresh process (cache claims).
+
+    python test/identity_worker.py '{"kind": "module_attr", "value": 2.0}'
+
+Sets the kind's hidden dependency to ``value`` (test/identity_deps.py), runs one Inductor
+step with the hooks, and prints one JSON line: AOTAutograd cache counters and gradients.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import identity_deps  # noqa: E402
+import torch_patches  # noqa: E402
+
+
+def fn(x):
+    return x.sin().exp().cos()
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    torch_patches.apply()
+    torch._functorch.config.saved_tensors_hooks_filtering_mode = "all"
+    kind = identity_deps.KINDS[spec["kind"]]
+    identity_deps.set_all(1.0)
+    kind.set(spec["value"])
+    x = torch.linspace(-1, 1, 32).view(4, 8).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(*kind.hooks()):
+        torch.compile(fn, backend=spec.get("backend", "inductor"))(x).sum().backward()
+    from torch._dynamo.utils import counters
+
+    print(json.dumps({"aot": dict(counters["aot_autograd"]), "grad": x.grad.flatten().tolist()}))
+
+
+if __name__ == "__main__":
+    main()

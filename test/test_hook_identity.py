@@ -1,0 +1,389 @@
+"""Hook identity: a compiled graph runs each hook as of this call, never a stale graph.
+
+Every test varies exactly one hidden dependency of a hook (test/identity_deps.py: closure
+cells, globals, attributes of modules / classes / instances / namespaces / nn.Modules,
+parameters and buffers, code of called functions / staticmethods / ``forward``, defaults,
+partials, bound methods, callable instances, captured tensors, GraphModule buffers, fx.wrap
+leaves) and checks the compiled step against
+
+* a fresh compile with the new value (the graph was rebuilt, not reused), and
+* the same compiled function with the hooks as plain Python hooks (eager hook semantics on
+  the same saved tensors: with ``saved_tensors_hooks_filtering_mode="all"`` both hook every
+  saved tensor, so under aot_eager the gradients are bit-exact),
+
+with exactly one recompile for the change and none for the same hooks recreated.
+Fresh-process cache claims (same hooks hit, a changed dependency misses or bypasses) are in
+``TestHookIdentityAcrossProcesses`` (slow).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from torch._dynamo.test_case import run_tests
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import identity_deps as deps
+import torch_patches
+from torch_patches import config as tp_config
+from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._hook_identity import hook_identity
+from torch_patches.hooks import inlineable
+from torch_patches.testing import TestCase, instantiate_device_type_tests
+
+
+def fn(x):
+    return x.sin().exp().cos()
+
+
+def python_hooks(hooks):
+    """The same hooks as plain Python hooks (not inlineable): eager hook semantics."""
+    pack, unpack = hooks
+    return (lambda t: pack(t)), (lambda t: unpack(t))
+
+
+def step(compiled, hooks, device="cpu"):
+    x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        compiled(x).sum().backward()
+    return x.grad
+
+
+class IdentityTestCase(TestCase):
+    def setUp(self):
+        super().setUp()
+        deps.set_all(1.0)
+        self.addCleanup(deps.set_all, 1.0)
+        patch = functorch_config.patch(saved_tensors_hooks_filtering_mode="all")
+        patch.__enter__()
+        self.addCleanup(patch.__exit__, None, None, None)
+
+    def assertSameGrad(self, a, b, backend):  # noqa: N802
+        if backend == "aot_eager":
+            self.assertEqual(a, b, atol=0, rtol=0)
+        else:
+            self.assertEqual(a, b, atol=1e-5, rtol=1e-5)
+
+    def check_change(self, name, a, b, backend="aot_eager", device="cpu"):
+        """Hooks of kind ``name`` with value a, then b: one recompile, b's gradients."""
+        kind = deps.KINDS[name]
+        kind.set(a)
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(fn, backend=counter)
+        grad_a = step(compiled, kind.hooks(), device)
+        step(compiled, kind.hooks(), device)  # recreated, unchanged: no recompile
+        self.assertEqual(counter.frame_count, 1, f"{name}: recreated hooks recompiled")
+        kind.set(b)
+        grad_b = step(compiled, kind.hooks(), device)
+        again = step(compiled, kind.hooks(), device)
+        self.assertEqual(counter.frame_count, 2, f"{name}: a change must recompile once")
+        self.assertSameGrad(grad_b, again, backend)
+        # Eager hook semantics on the same compiled graph, as of now.
+        reference = step(torch.compile(fn, backend=backend), python_hooks(kind.hooks()), device)
+        self.assertSameGrad(grad_b, reference, backend)
+        # A fresh compile with the new value.
+        torch._dynamo.reset()
+        fresh = step(torch.compile(fn, backend=backend), kind.hooks(), device)
+        self.assertSameGrad(grad_b, fresh, backend)
+        # The dependency really changes the gradients: a stale graph would be caught.
+        self.assertFalse(torch.allclose(grad_a, grad_b), f"{name}: values do not change the result")
+
+
+class TestHookIdentity(IdentityTestCase):
+    def test_every_kind_aot_eager(self, device):
+        for name in sorted(deps.KINDS):
+            with self.subTest(kind=name):
+                torch._dynamo.reset()
+                deps.set_all(1.0)
+                self.check_change(name, 1.0, 2.0, device=device)
+
+    @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+    @hypothesis.given(
+        name=st.sampled_from(sorted(deps.KINDS)),
+        values=st.lists(st.sampled_from(deps.VALUES), min_size=2, max_size=2, unique=True),
+    )
+    def test_generated_changes_aot_eager(self, device, name, values):
+        torch._dynamo.reset()
+        deps.set_all(1.0)
+        self.check_change(name, *values, device=device)
+
+    @pytest.mark.slow
+    def test_every_kind_inductor(self, device):
+        for name in sorted(deps.KINDS):
+            with self.subTest(kind=name):
+                torch._dynamo.reset()
+                deps.set_all(1.0)
+                self.check_change(name, 1.0, 3.0, backend="inductor", device=device)
+
+    def test_outcomes(self, device):
+        # (a) keyed by value: valid across processes; (b) process-local: keyed by identity.
+        for name, kind in deps.KINDS.items():
+            with self.subTest(kind=name):
+                digest, reasons = hook_utils.hooks_cache_key(*kind.hooks())
+                if kind.outcome == "a":
+                    self.assertIsNotNone(digest, reasons)
+                else:
+                    self.assertIsNone(digest)
+                    self.assertIn("keyed by identity", reasons[0])
+
+    def test_recreated_hooks_do_not_recompile(self, device):
+        for name in ("closure", "partial", "bound_method", "callable_instance", "graph_module_buffer"):
+            with self.subTest(kind=name):
+                torch._dynamo.reset()
+                counter = CompileCounterWithBackend("aot_eager")
+                compiled = torch.compile(fn, backend=counter)
+                for _ in range(6):
+                    step(compiled, deps.KINDS[name].hooks(), device)
+                self.assertEqual(counter.frame_count, 1)
+
+    def test_recreated_object_at_reused_address(self, device):
+        # A callable recreated every step with another setting: CPython often places it at
+        # the address of the one just freed. Every step must run its own setting.
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter)
+        reference = {}
+        for s in (1.0, 2.0):
+            pair = inlineable(deps.pack, deps.CallableUnpack(s))
+            reference[s] = step(torch.compile(fn, backend="aot_eager"), python_hooks(pair), device)
+        for i in range(8):
+            s = (1.0, 2.0)[i % 2]
+            grad = step(compiled, inlineable(deps.pack, deps.CallableUnpack(s)), device)
+            self.assertEqual(grad, reference[s], atol=0, rtol=0)
+        self.assertEqual(counter.frame_count, 2)
+
+    def test_python_hooks_around_graph_compiled_without_hooks(self, device):
+        # Stock torch reuses the graph (it is the same); the hooks then run as Python hooks,
+        # under the hook contract (only floating-point saved tensors reach them).
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda x: (x.sin() * (x > 0)).exp(), backend=counter)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        compiled(x).sum().backward()
+        seen = []
+
+        def pack(t):
+            seen.append(t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            compiled(x).sum().backward()
+        self.assertEqual(counter.frame_count, 1)
+        self.assertTrue(seen)
+        self.assertTrue(all(d.is_floating_point for d in seen), seen)
+
+    def test_config_is_part_of_the_key(self, device):
+        hooks = deps.KINDS["module_attr"].hooks()
+        base = hook_utils.hooks_cache_key(*hooks)[0]
+        key = hook_utils.hooks_guard_key(hooks)
+        for knob, value in (
+            ("hook_placement", "boundary"),
+            ("unpack_prefetch_distance", 1),
+            ("reload_prefetch_distance", 7),
+            ("hooked_saved_tensor_dtypes", "all"),
+            ("validate_unpack", False),
+        ):
+            with self.subTest(knob=knob), tp_config.patch(**{knob: value}):
+                self.assertNotEqual(hook_utils.hooks_cache_key(*hooks)[0], base)
+                self.assertNotEqual(hook_utils.hooks_guard_key(hooks), key)
+
+    def test_config_change_recompiles(self, device):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter)
+        hooks = deps.KINDS["global"].hooks()
+        step(compiled, hooks, device)
+        with tp_config.patch(hook_placement="boundary"):
+            step(compiled, hooks, device)
+        self.assertEqual(counter.frame_count, 2)
+
+
+class TestCapturedTensors(IdentityTestCase):
+    def captured(self, tensor, device):
+        def unpack(t):
+            return t / 2 * tensor.reshape(-1)[0]
+
+        hooks = inlineable(deps.pack, unpack)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback: inlined
+            grad = step(torch.compile(fn, backend="aot_eager", fullgraph=True), hooks, device)
+        reference = step(torch.compile(fn, backend="aot_eager"), python_hooks(hooks), device)
+        self.assertEqual(grad, reference, atol=0, rtol=0)
+        return hooks
+
+    def test_zero_dim_small_and_requires_grad(self, device):
+        for t in (
+            torch.tensor(2.0, device=device),
+            torch.full((3,), 2.0, device=device),
+            torch.tensor(2.0, device=device, requires_grad=True),
+            torch.nn.Parameter(torch.full((2, 2), 2.0, device=device)),
+        ):
+            with self.subTest(shape=tuple(t.shape), requires_grad=t.requires_grad):
+                torch._dynamo.reset()
+                self.captured(t, device)
+
+    def test_graph_module_zero_dim_buffer(self, device):
+        hooks = deps.KINDS["graph_module_buffer"].hooks()
+        grad = step(torch.compile(fn, backend="aot_eager", fullgraph=True), hooks, device)
+        self.assertEqual(grad, step(torch.compile(fn, backend="aot_eager"), python_hooks(hooks), device))
+
+    def test_ten_million_elements(self, device):
+        big = torch.full((10_000_000,), 2.0, device=device)
+        hooks = self.captured(big, device)
+        ident = hook_identity(hooks[1])
+        # Keyed by identity and version, never read element by element; kept alive.
+        self.assertTrue(ident.local)
+        self.assertTrue(any(p is big for p in ident.pins))
+
+
+class TestNotKeyable(IdentityTestCase):
+    def test_opaque_object_is_not_inlined(self, device):
+        lock = threading.Lock()
+
+        def unpack(t):
+            with lock:
+                return t / 2
+
+        hooks = inlineable(deps.pack, unpack)
+        self.assertTrue(hook_utils.unkeyable_reasons(hooks))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grad = step(torch.compile(fn, backend="aot_eager"), hooks, device)
+        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("cannot see", messages[0])
+        self.assertEqual(grad, step(torch.compile(fn, backend="aot_eager"), python_hooks(hooks), device))
+        with self.assertRaisesRegex(Exception, "cannot be inlined"):
+            torch._dynamo.reset()
+            step(torch.compile(fn, backend="aot_eager", fullgraph=True), hooks, device)
+
+    def test_print_is_reported_without_touching_streams(self, device):
+        def pack(t):
+            print("packing")
+            return t * 2
+
+        hooks = inlineable(pack, deps.pack)
+        self.assertIn("side effects or runs dynamic code (calls print())", hook_utils.unkeyable_reasons(hooks)[0])
+
+    def test_two_hooks_with_one_name_warn_once_each(self, device):
+        def make(lock):
+            def unpack(t):
+                with lock:
+                    return t / 2
+
+            return inlineable(deps.pack, unpack)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for lock in (threading.Lock(), threading.RLock()):
+                torch._dynamo.reset()
+                step(torch.compile(fn, backend="aot_eager"), make(lock), device)
+        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        self.assertEqual(len(messages), 2, messages)
+
+    def test_other_threads_printing_during_compiles_lose_nothing(self, device):
+        import io
+
+        out = io.StringIO()
+        stop = threading.Event()
+        written = [0]
+
+        def chatter():
+            while not stop.is_set():
+                print("line", file=sys.stdout)
+                written[0] += 1
+
+        old = sys.stdout
+        sys.stdout = out
+        try:
+            thread = threading.Thread(target=chatter)
+            thread.start()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for name in ("closure", "module_attr", "partial"):
+                    torch._dynamo.reset()
+                    step(torch.compile(fn, backend="aot_eager", fullgraph=True), deps.KINDS[name].hooks(), device)
+            stop.set()
+            thread.join()
+        finally:
+            sys.stdout = old
+        self.assertEqual(out.getvalue().count("line\n"), written[0])
+
+
+instantiate_device_type_tests(TestHookIdentity, globals())
+instantiate_device_type_tests(TestCapturedTensors, globals())
+instantiate_device_type_tests(TestNotKeyable, globals())
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "identity_worker.py")
+
+#: Kinds checked across processes: every one a user reported as a wrong cache hit, and more.
+CROSS_PROCESS_KINDS = (
+    "module_attr",
+    "nested_attr",
+    "class_attr",
+    "object_attr",
+    "namespace_attr",
+    "nn_module_attr",
+    "nn_module_buffer",
+    "called_function_code",
+    "staticmethod_code",
+    "nn_module_forward_code",
+    "closure",
+    "global",
+    "partial",
+    "callable_instance",
+    "fx_wrap_leaf_code",
+    "big_tensor_inplace",
+)
+
+
+@pytest.mark.slow
+class TestHookIdentityAcrossProcesses(TestCase):
+    """P1 (value A) and P2 (value B) share a cache dir; P3 (B) has an empty one: P2 == P3."""
+
+    def run_worker(self, cache_dir, **spec):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        proc = subprocess.run(
+            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["grad"] = torch.tensor(result["grad"])
+        return result
+
+    def test_one_dependency_changed_in_a_fresh_process(self):
+        with tempfile.TemporaryDirectory() as fresh:
+            p3 = self.run_worker(fresh, kind="global", value=2.0)
+        for name in CROSS_PROCESS_KINDS:
+            with self.subTest(kind=name), tempfile.TemporaryDirectory() as shared:
+                p1 = self.run_worker(shared, kind=name, value=1.0)
+                p2 = self.run_worker(shared, kind=name, value=2.0)
+                self.assertEqual(p2["grad"], p3["grad"], atol=1e-6, rtol=1e-6)
+                self.assertFalse(torch.allclose(p1["grad"], p2["grad"]))
+                if deps.KINDS[name].outcome == "a":
+                    self.assertEqual(p1["aot"].get("autograd_cache_miss"), 1, p1["aot"])
+                    self.assertEqual(p2["aot"].get("autograd_cache_miss"), 1, p2["aot"])
+                else:
+                    self.assertEqual(p2["aot"].get("autograd_cache_bypass"), 1, p2["aot"])
+                self.assertNotIn("autograd_cache_hit", p2["aot"])
+
+    def test_same_hooks_hit_in_a_fresh_process(self):
+        for name in ("module_attr", "callable_instance", "nn_module_forward_code", "fx_wrap_leaf_code"):
+            with self.subTest(kind=name), tempfile.TemporaryDirectory() as shared:
+                p1 = self.run_worker(shared, kind=name, value=2.0)
+                p2 = self.run_worker(shared, kind=name, value=2.0)
+                self.assertEqual(p2["aot"].get("autograd_cache_hit"), 1, p2["aot"])
+                self.assertEqual(p1["grad"], p2["grad"], atol=0, rtol=0)
+
+
+if __name__ == "__main__":
+    run_tests()

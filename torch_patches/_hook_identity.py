@@ -1,0 +1,458 @@
+"""What a saved-tensors hook's compiled graph depends on: its identity for guards and caches.
+
+A compiled graph bakes in what a hook computed while it was traced.  Reusing that graph
+(a Dynamo guard passing, an AOTAutogradCache hit in another process) is sound only if
+everything the hook's result depends on is the same.  :func:`hook_identity` walks a hook
+the way its code reads the world and sorts every dependency into one of three outcomes:
+
+(a) **keyed by value** (``HookIdentity.key``; valid across processes when ``local`` is
+    empty): code of the hook and of every user function it can reach (defaults, closures,
+    globals, recursively), the attributes of user modules it names, the whole state of
+    user objects and classes it reaches (instances, namespaces, ``nn.Module``\\ s with their
+    parameters, buffers and submodules, ``functools.partial``, bound methods, callable
+    instances, staticmethod/classmethod), fx ``GraphModule`` code and attributes, and small
+    CPU tensors by their bytes.  A change: one recompile, one cache miss.  The same hook
+    recreated: the same key.
+(b) **process-local** (``HookIdentity.local`` says why): tensors keyed by value would cost
+    too much per guard check (more than ``_TENSOR_VALUE_NUMEL`` elements, or not on the
+    CPU), so they are keyed by identity, version counter and metadata.  The identity holds
+    them (``pins``): whoever keeps the identity (the guard of a compiled frame) keeps them
+    alive, so their ``id()`` cannot be reused by another object while it is compared.  Such
+    hooks never key a cross-process cache (AOTAutogradCache bypasses, reason logged).
+(c) **not keyable** (``HookIdentity.unkeyable`` says why): objects whose state Python cannot
+    see (C-extension objects without ``__dict__``, file handles), I/O, values nested too
+    deep or too large to walk.  Such hooks are not inlined: the graph keeps eager hook
+    semantics (one warning; an error under ``fullgraph=True``).
+
+Why our own walk rather than Dynamo's guards: ambient hooks (entered around the compiled
+call) are not reachable from the frame Dynamo traces, so there is no Dynamo source to
+hang guards on; and the compile caches need a key *before* AOTAutograd traces the hook.
+The walk is conservative where a source-based guard would be precise: it keys *all* state
+of user objects and classes it reaches (not just the attributes read), all attributes of
+user modules whose names occur in any reachable code (``co_names`` and string constants,
+so ``getattr(mod, "NAME")`` is seen too), and it treats installed libraries (torch, the
+standard library, numpy) as fixed by their version: their functions and classes are keyed
+by qualified name, their module-level plain values (``math.pi``, ``torch.bfloat16``) by
+value.  Monkeypatching library functions at runtime is not seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import io
+import sys
+import types
+import weakref
+from typing import Any
+
+import torch
+
+
+# Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.
+_TENSOR_VALUE_NUMEL = 4096
+# Values nested deeper than this, or walks visiting more values, are not keyable.
+_MAX_DEPTH = 48
+_MAX_VALUES = 200_000
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
+_REPR_ATOMS = (
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.memory_format,
+    torch.layout,
+    range,
+    slice,
+)
+# Roots of installed libraries, keyed by name: their code is fixed for a given version
+# (every compile cache key already holds torch's version).
+_LIBRARY_ROOTS = frozenset({"torch", "numpy", "typing_extensions", "sympy", "triton"})
+# Builtins whose call in a hook is I/O: a hook that reaches them is not inlined.
+_IO_BUILTINS = frozenset({"print", "open", "input", "breakpoint", "exec", "eval", "compile"})
+
+
+def _is_library_module(name: str | None) -> bool:
+    """Whether ``name`` is a module of an installed library (keyed by name, not content)."""
+    if not name:
+        return False
+    if name == "torch_patches" or name.startswith("torch_patches."):
+        return False  # our own hooks are keyed by content like the user's
+    return _is_library_root(name.split(".", 1)[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_library_root(root: str) -> bool:
+    if root in _LIBRARY_ROOTS or root in sys.stdlib_module_names or root == "builtins":
+        return True
+    # Other installed distributions (site-packages); user code and editable installs are not.
+    module = sys.modules.get(root)
+    path = getattr(module, "__file__", None) or ""
+    return "site-packages" in path or "dist-packages" in path
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HookIdentity:
+    """The key of one hook (see the module docstring for the three outcomes)."""
+
+    key: Any
+    local: tuple[str, ...] = ()
+    unkeyable: tuple[str, ...] = ()
+    pins: tuple[Any, ...] = ()
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return digest(self.key)
+
+    def same_as(self, other: "HookIdentity") -> bool:
+        return self.key == other.key
+
+
+def digest(key: Any) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+
+
+class _Walker:
+    def __init__(self, attrs: frozenset[str]) -> None:
+        self.attrs = attrs  # attribute names any reachable code may read
+        self.names: set[str] = set()  # names found in code walked
+        self.seen: dict[int, int] = {}
+        self.local: list[str] = []
+        self.unkeyable: list[str] = []
+        self.pins: list[Any] = []
+        self.count = 0
+
+    # -------------------------------------------------------------- dispatch
+
+    def value(self, v: Any, depth: int = 0) -> Any:
+        if isinstance(v, _ATOMS):
+            return (type(v).__name__, v)
+        if isinstance(v, _REPR_ATOMS):
+            return (type(v).__name__, repr(v))
+        self.count += 1
+        if depth > _MAX_DEPTH or self.count > _MAX_VALUES:
+            self.unkeyable.append(
+                f"it reaches values nested too deeply or too many to key ({type(v).__qualname__}), "
+                "so a compiled graph could not tell when they change"
+            )
+            return ("too-deep",)
+        if id(v) in self.seen:
+            return ("ref", self.seen[id(v)])
+        self.seen[id(v)] = len(self.seen)
+        self.pins.append(v)  # keeps ids in `seen` unique for the walk
+        d = depth + 1
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v)
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, tuple(self.value(x, d) for x in v))
+        if isinstance(v, (set, frozenset)):
+            return (type(v).__name__, tuple(sorted((self.value(x, d) for x in v), key=repr)))
+        if isinstance(v, dict):
+            items = [(self.value(k, d), self.value(x, d)) for k, x in v.items()]
+            return (type(v).__name__, tuple(items))
+        if isinstance(v, torch.fx.GraphModule):
+            return self.graph_module(v, d)
+        if isinstance(v, types.FunctionType):
+            return self.function(v, d)
+        if isinstance(v, types.CodeType):
+            return self.code(v, d)
+        if isinstance(v, types.MethodType):
+            return ("method", self.value(v.__func__, d), self.value(v.__self__, d))
+        if isinstance(v, (staticmethod, classmethod)):
+            return (type(v).__name__, self.value(v.__func__, d))
+        if isinstance(v, property):
+            return ("property", self.value(v.fget, d), self.value(v.fset, d))
+        if isinstance(v, functools.partial):
+            return ("partial", self.value(v.func, d), self.value(v.args, d), self.value(v.keywords, d))
+        if isinstance(v, types.ModuleType):
+            return self.module(v, d)
+        if isinstance(v, type):
+            return self.cls(v, d)
+        if isinstance(v, enum.Enum):
+            return ("enum", self.cls(type(v), d), v.name)
+        if isinstance(v, (types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
+                          types.MethodWrapperType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            owner = getattr(v, "__self__", None)
+            named = ("builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v)))
+            if owner is None or isinstance(owner, types.ModuleType):
+                return named
+            return named + (self.value(owner, d),)
+        if isinstance(v, io.IOBase) or any(v is s for s in (sys.stdout, sys.stderr, sys.stdin)):
+            self.unkeyable.append(f"it has side effects (uses a stream or file, {type(v).__qualname__})")
+            return ("io",)
+        return self.instance(v, d)
+
+    # --------------------------------------------------------------- leaves
+
+    def tensor(self, t: torch.Tensor) -> Any:
+        from torch._subclasses.fake_tensor import is_fake
+
+        meta = ("tensor", str(t.dtype), tuple(t.shape), tuple(t.stride()), str(t.device),
+                t.requires_grad, type(t).__qualname__)
+        if is_fake(t):
+            self.unkeyable.append("it captures a fake tensor (made while tracing), which has no value to run with")
+            return meta
+        if (
+            t.numel() <= _TENSOR_VALUE_NUMEL
+            and t.device.type == "cpu"
+            and t.layout == torch.strided
+            and type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+        ):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            # Read the bytes outside whatever mode is tracing (fake, proxy, functional).
+            with _disable_current_modes(), torch._C._DisableTorchDispatch():
+                data = t.detach().contiguous().view(-1)
+                raw = bytes(data.view(torch.uint8).numpy()) if data.numel() and data.dtype.itemsize else repr(data.tolist()).encode()
+            return meta + ("value", hashlib.sha256(raw).hexdigest()[:24])
+        self.local.append(
+            f"captures a {str(t.dtype).replace('torch.', '')}{list(t.shape)} tensor on "
+            f"{t.device.type}, keyed by identity and version (only CPU tensors of at most "
+            f"{_TENSOR_VALUE_NUMEL} elements are keyed by value)"
+        )
+        return meta + ("identity", id(t), t._version)
+
+    def code(self, co: types.CodeType, depth: int) -> Any:
+        key, names, io = _code_key(co)
+        self.names.update(names)
+        self.unkeyable.extend(io)
+        return key
+
+    def function(self, fn: types.FunctionType, depth: int) -> Any:
+        if _is_library_module(fn.__module__):
+            return ("lib-function", fn.__module__, fn.__qualname__)
+        closure = tuple(
+            self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
+            for cell in (fn.__closure__ or ())
+        )
+        globs: list[Any] = []
+        for name in sorted(_global_names(fn.__code__)):
+            if name in fn.__globals__:
+                globs.append((name, self.value(fn.__globals__[name], depth)))
+            else:
+                globs.append((name, "builtin"))
+        return (
+            "function",
+            fn.__module__,
+            fn.__qualname__,
+            self.code(fn.__code__, depth),
+            self.value(fn.__defaults__, depth),
+            self.value(fn.__kwdefaults__, depth),
+            closure,
+            tuple(globs),
+            self.value(_instance_dict(fn), depth),  # attributes set on the function
+        )
+
+    def module(self, m: types.ModuleType, depth: int) -> Any:
+        name = m.__name__
+        library = _is_library_module(name)
+        entries = []
+        for attr in sorted(self.attrs):
+            if attr not in m.__dict__:
+                continue
+            v = m.__dict__[attr]
+            if library:
+                if isinstance(v, _ATOMS + _REPR_ATOMS):
+                    entries.append((attr, self.value(v, depth)))
+                elif isinstance(v, io.IOBase) or any(v is s for s in (sys.stdout, sys.stderr, sys.stdin)):
+                    self.unkeyable.append(f"it has side effects (uses {name}.{attr})")
+                # Library functions, classes, submodules: fixed by the library's version.
+                continue
+            entries.append((attr, self.value(v, depth)))
+        return ("module", name, library, tuple(entries))
+
+    def cls(self, c: type, depth: int) -> Any:
+        if _is_library_module(c.__module__):
+            return ("lib-class", c.__module__, c.__qualname__)
+        # A user class: everything in its (and its user bases') namespace.
+        mro = []
+        for base in c.__mro__:
+            if _is_library_module(base.__module__):
+                mro.append(("lib-class", base.__module__, base.__qualname__))
+                continue
+            entries = tuple(
+                (k, self.value(v, depth))
+                for k, v in base.__dict__.items()
+                if k not in ("__dict__", "__weakref__", "__doc__")
+            )
+            mro.append(("class", base.__module__, base.__qualname__, entries))
+        return ("class-mro", tuple(mro))
+
+    def instance(self, v: Any, depth: int) -> Any:
+        state = _instance_dict(v)
+        slots = _slot_values(v)
+        if state is None and slots is None:
+            if type(v).__module__ == "numpy" and hasattr(v, "tobytes") and getattr(v, "size", 1 << 30) <= _TENSOR_VALUE_NUMEL:
+                return ("ndarray", str(v.dtype), tuple(v.shape), hashlib.sha256(v.tobytes()).hexdigest()[:24])
+            self.unkeyable.append(
+                f"it reaches a {type(v).__module__}.{type(v).__qualname__} object, whose state "
+                "torch_patches cannot see (no __dict__), so a compiled graph could not tell "
+                "when it changes"
+            )
+            return ("opaque", type(v).__qualname__)
+        return (
+            "object",
+            self.cls(type(v), depth),
+            self.value(state, depth) if state is not None else None,
+            self.value(slots, depth) if slots is not None else None,
+        )
+
+    def graph_module(self, gm: torch.fx.GraphModule, depth: int) -> Any:
+        from torch_patches._functorch._aot_autograd.utils import leaf_cache_hash
+
+        attrs = []
+        for node in gm.graph.nodes:
+            if node.op in ("get_attr", "call_module"):
+                obj: Any = gm
+                for part in str(node.target).split("."):
+                    obj = getattr(obj, part, None)
+                attrs.append((node.op, str(node.target), self.value(obj, depth)))
+            elif node.op == "call_function" and not isinstance(
+                node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, types.BuiltinFunctionType)
+            ):
+                # fx.wrap leaves and other Python callables the graph calls: make_fx traces
+                # through them, so their code counts; a user_cache_hash stands for it.
+                user_hash = leaf_cache_hash(node)
+                if user_hash is not None:
+                    attrs.append((node.name, ("user_cache_hash", user_hash)))
+                else:
+                    attrs.append((node.name, self.value(node.target, depth)))
+        return ("graph_module", type(gm).__qualname__, gm.code, tuple(attrs))
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+@functools.lru_cache(maxsize=8192)
+def _global_names(co: types.CodeType) -> frozenset[str]:
+    """Global names the code (and code nested in it) reads or writes (not attribute names)."""
+    import dis
+
+    out = {ins.argval for ins in dis.get_instructions(co) if ins.opname in _GLOBAL_OPS}
+    for c in co.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _global_names(c)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=8192)
+def _code_key(co: types.CodeType) -> tuple[Any, frozenset[str], tuple[str, ...]]:
+    """(key, names it may read as attributes, I/O reasons) of a code object and its nested code.
+
+    Code objects and their constants are immutable, so this is cached per code object.
+    """
+    import dis
+
+    names = set(co.co_names)
+    io_reasons = [
+        f"it has side effects or runs dynamic code (calls {ins.argval}())"
+        for ins in dis.get_instructions(co)
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _IO_BUILTINS
+    ]
+    consts: list[Any] = []
+    for c in co.co_consts:
+        if isinstance(c, types.CodeType):
+            key, inner_names, inner_io = _code_key(c)
+            names |= inner_names
+            io_reasons.extend(inner_io)
+            consts.append(key)
+        else:
+            if isinstance(c, str):
+                names.add(c)  # getattr(obj, "NAME")
+            consts.append(_const_key(c))
+    key = (
+        "code",
+        co.co_code,
+        getattr(co, "co_exceptiontable", b""),
+        tuple(consts),
+        co.co_names,
+        co.co_varnames,
+        co.co_freevars,
+        co.co_cellvars,
+    )
+    return key, frozenset(names), tuple(io_reasons)
+
+
+def _const_key(c: Any) -> Any:
+    """Key of a code constant (None, numbers, strings, bytes, tuples/frozensets of them)."""
+    if isinstance(c, (tuple, frozenset)):
+        items = tuple(_const_key(x) for x in c)
+        return (type(c).__name__, tuple(sorted(items, key=repr)) if isinstance(c, frozenset) else items)
+    return (type(c).__name__, c if isinstance(c, _ATOMS) else repr(c))
+
+
+def _instance_dict(v: Any) -> dict[str, Any] | None:
+    try:
+        d = object.__getattribute__(v, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return d if isinstance(d, dict) else dict(d)
+
+
+def _slot_values(v: Any) -> dict[str, Any] | None:
+    slots: dict[str, Any] = {}
+    for klass in type(v).__mro__:
+        for name in klass.__dict__.get("__slots__", ()) if not _is_library_module(klass.__module__) else ():
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                slots[name] = object.__getattribute__(v, name)
+            except AttributeError:
+                slots[name] = ("unset",)
+    return slots or None
+
+
+# Attribute names found in each hook's reachable code, so the next walk of the same hook
+# starts from them and finishes in one pass (a hint: the walk checks it is complete).
+_attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
+
+
+def hook_identity(fn: Any) -> HookIdentity:
+    """Walk ``fn`` (see the module docstring). Never raises for ordinary Python values."""
+    hint = _attr_hints.get(id(fn))
+    attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
+    while True:
+        walker = _Walker(attrs)
+        try:
+            key = walker.value(fn)
+        except Exception as e:  # noqa: BLE001 - an object that resists inspection
+            # Conservative: what cannot be walked cannot be keyed (outcome (c)).
+            return HookIdentity(
+                key=("unwalkable", type(e).__name__),
+                unkeyable=(f"reading what it depends on raised {type(e).__name__}: {e}",),
+            )
+        if walker.names <= attrs:
+            break
+        attrs = attrs | walker.names  # a module may hold attributes later code names
+    try:
+        _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
+    except TypeError:
+        pass
+    pins = tuple(p for p in walker.pins if isinstance(p, torch.Tensor) and not _value_keyed(p))
+    return HookIdentity(
+        key=key,
+        local=tuple(dict.fromkeys(walker.local)),
+        unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
+        pins=pins,
+    )
+
+
+def _value_keyed(t: torch.Tensor) -> bool:
+    return t.numel() <= _TENSOR_VALUE_NUMEL and t.device.type == "cpu"
+
+
+def config_key() -> Any:
+    """Every ``torch_patches.config`` knob, as upstream's ``save_config`` would snapshot it."""
+    from torch_patches import config
+
+    return tuple(sorted((k, repr(v)) for k, v in config.get_config_copy().items()))
