@@ -25,6 +25,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "expecttest>=0.2", "hypothesis>=6", "numpy"],
         "upstream": ["ghstack"],
+        # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs.
+        "models": ["transformers>=4.50"],
     },
     entry_points={"console_scripts": ["torch-patches=torch_patches.__main__:main"]},
     classifiers=[

@@ -319,9 +319,9 @@ class TestHooksLibrary(TestCase):
 
     def test_storage_formats(self, device: str) -> None:
         x = sample((4, 6, 10), torch.float32, device)
-        stored, dtype = hooks.bf16()[0](x)
+        stored, dtype = hooks.bf16(where=None)[0](x)
         self.assertEqual((stored.dtype, dtype), (torch.bfloat16, torch.float32))
-        q, scale, dtype = hooks.int8_rowwise()[0](x)
+        q, scale, dtype = hooks.int8_rowwise(where=None)[0](x)
         self.assertEqual((q.dtype, q.shape, scale.shape, dtype), (torch.int8, x.shape, (4, 6, 1), torch.float32))
         self.assertLessEqual(q.abs().max().item(), 127)
         # float64 is compressed as well and comes back as float64.
@@ -405,13 +405,16 @@ class TestHooksLibrary(TestCase):
             for i, (g, r, t) in enumerate(zip(compiled, ref, tol)):
                 self.assertWithin(g, r, t, f"{name} {backend} grad {i}")
         # The same hooks, inlined and as Python hooks, on the same compiled graph (every
-        # saved tensor hooked in both): the same computation.
+        # saved tensor hooked in both, so without the compile-time selection, which only
+        # the inlined hooks can make): the same computation.
         rec = AotEagerAndRecordGraphs() if backend == "aot_eager" else InductorAndRecordGraphs()
         with functorch_config.patch(saved_tensors_hooks_filtering_mode="all"):
             torch._dynamo.reset()
-            python = grads_of(torch.compile(model, backend=backend, fullgraph=True), inputs, float_only(*factory()))
+            python = grads_of(
+                torch.compile(model, backend=backend, fullgraph=True), inputs, float_only(*factory(where=None))
+            )
             torch._dynamo.reset()
-            inlined = grads_of(torch.compile(model, backend=rec, fullgraph=True), inputs, factory())
+            inlined = grads_of(torch.compile(model, backend=rec, fullgraph=True), inputs, factory(where=None))
         self.assertTrue(hook_nodes(rec.fw_graphs[0]) and hook_nodes(rec.bw_graphs[0]), "not inlined")
         if backend == "aot_eager":
             self.assertGradsEqual(inlined, python, exact=True)
@@ -584,7 +587,7 @@ class GraphModule(torch.nn.Module):
     # ------------------------------------------------------------------ chain
 
     def test_chain_round_trip(self, device: str) -> None:
-        fp8 = hooks.fp8_rowwise()
+        fp8 = hooks.fp8_rowwise(where=None)  # the format itself, on every shape
         for shape in SHAPES:
             x = sample(shape, torch.float32, device, seed=2)
             alone = fp8[1](fp8[0](x))
@@ -608,7 +611,7 @@ class GraphModule(torch.nn.Module):
             self.assertEqual([p[1].dim() for p in inner], [1, 1])
         # Two lossy stages: the bounds compose (bf16, then fp8 of the bf16 copy).
         x = sample((8, 33), torch.float32, device, seed=3)
-        pack, unpack = hooks.chain(hooks.bf16(), fp8)
+        pack, unpack = hooks.chain(hooks.bf16(where=None), fp8)
         (_, inner) = pack(x)[1:]
         self.assertEqual(inner[0][0].dtype, torch.float8_e4m3fn)
         y = x.to(torch.bfloat16)

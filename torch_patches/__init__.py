@@ -29,6 +29,16 @@ from torch_patches._registry import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # ``torch_patches.config`` and ``torch_patches.hooks`` after a plain ``import
+    # torch_patches`` (importing them changes nothing in torch either).
+    if name in ("config", "hooks"):
+        import importlib
+
+        return importlib.import_module(f"torch_patches.{name}")
+    raise AttributeError(f"module 'torch_patches' has no attribute {name!r}")
+
 __all__ = [
     "Patch",
     "PatchError",

@@ -172,6 +172,8 @@ class _Walker:
             return self.cls(v, d)
         if isinstance(v, enum.Enum):
             return ("enum", self.cls(type(v), d), v.name)
+        if isinstance(v, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+            return ("descriptor", v.__objclass__.__qualname__, v.__name__)  # a slot, by name
         if isinstance(v, (types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
                           types.MethodWrapperType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             owner = getattr(v, "__self__", None)
@@ -275,7 +277,7 @@ class _Walker:
             entries = tuple(
                 (k, self.value(v, depth))
                 for k, v in base.__dict__.items()
-                if k not in ("__dict__", "__weakref__", "__doc__")
+                if k not in _CLASS_DICT_SKIP
             )
             mro.append(("class", base.__module__, base.__qualname__, entries))
         return ("class-mro", tuple(mro))
@@ -320,6 +322,14 @@ class _Walker:
                 else:
                     attrs.append((node.name, self.value(node.target, depth)))
         return ("graph_module", type(gm).__qualname__, gm.code, tuple(attrs))
+
+
+# Class-namespace entries that hold no behaviour of their own: descriptors of the instance
+# dict, the docstring, and dataclasses' bookkeeping (derived from the class body, whose
+# defaults and generated methods are keyed themselves).
+_CLASS_DICT_SKIP = frozenset(
+    {"__dict__", "__weakref__", "__doc__", "__dataclass_fields__", "__dataclass_params__"}
+)
 
 
 def _cell_filled(cell: Any) -> bool:

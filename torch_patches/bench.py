@@ -15,12 +15,19 @@ Peak memory: on CUDA ``max_memory_allocated`` above the pre-step base; on CPU th
 high-water mark of one step above the pre-step RSS (``/proc/self/clear_refs`` = 5 resets
 it; workers run with ``MALLOC_MMAP_THRESHOLD_`` fixed so large tensors are mmap-backed
 and freed memory really leaves the RSS).
+
+``kept MiB`` (rows ``ours``): bytes of saved tensors a selective hook left uncompressed
+(the lossy hooks' ``numerics_safe`` default: RoPE angles, statistics...), per step, from
+the inliner's log. ``--models llama`` is Hugging Face Llama built from a config (hidden
+``--dim``, ``--blocks`` layers, 256-token sequences, ``--batch`` tokens per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import statistics
@@ -109,6 +116,8 @@ def build_model(case: Case) -> Any:
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
             return x + self.mlp(self.norm2(x))
 
+    if case.model == "llama":
+        return _llama(case)
     if case.model == "mlp8":
         return torch.nn.Sequential(*[Block() for _ in range(case.blocks)])
     if case.model == "transformer":
@@ -116,9 +125,44 @@ def build_model(case: Case) -> Any:
     raise ValueError(f"unknown model {case.model!r}")
 
 
+#: Tokens per sequence of the llama model (its RoPE angles reach this).
+_LLAMA_SEQ = 256
+_LLAMA_VOCAB = 4096
+
+
+def _llama(case: Case) -> Any:
+    """Hugging Face Llama from a config (random init, no download; needs transformers):
+    hidden ``dim``, ``blocks`` layers, RoPE, SDPA. Called with token ids, returns the loss."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError as e:
+        raise RuntimeError('--models llama needs transformers: pip install -e ".[models]"') from e
+    cfg = transformers.LlamaConfig(
+        vocab_size=_LLAMA_VOCAB, hidden_size=case.dim, intermediate_size=2 * case.dim,
+        num_hidden_layers=case.blocks, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=_LLAMA_SEQ, attn_implementation="sdpa",
+    )
+
+    class LlamaLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.LlamaForCausalLM(cfg)
+
+        def forward(self, ids: Any) -> Any:
+            return self.model(input_ids=ids, labels=ids).loss
+
+    return LlamaLoss()
+
+
 def example_input(case: Case) -> Any:
     import torch
 
+    if case.model == "llama":
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, _LLAMA_VOCAB, (max(case.batch // _LLAMA_SEQ, 1), _LLAMA_SEQ), generator=gen)
+        return ids.to(case.device)
     if case.model == "transformer":
         seq = 128
         return torch.randn(max(case.batch // seq, 1), seq, case.dim, device=case.device)
@@ -196,6 +240,37 @@ def _proc_status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+class _KeptBytes(logging.Handler):
+    """Sums the bytes of saved tensors the inliner reports as "not selected" while compiling
+    (the ``torch_patches`` artifact log: producer, bytes and reason per saved tensor)."""
+
+    _LINE = re.compile(r", (\d+) B, [^)]*\) left unhooked: not selected by")
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.total = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = self._LINE.search(record.getMessage())
+        if m:
+            self.total += int(m.group(1))
+
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls) -> Any:
+        from torch_patches import _logging as tp_logging
+
+        logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
+        handler, level = cls(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        try:
+            yield handler
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Measure one case in this process."""
     import contextlib
@@ -212,7 +287,9 @@ def run_case(case: Case) -> dict[str, Any]:
         torch_patches.unapply()
     torch.manual_seed(0)
     model = build_model(case).to(case.device)
-    x = example_input(case).requires_grad_(True)
+    x = example_input(case)
+    if x.is_floating_point():
+        x.requires_grad_(True)
     hooks = make_hooks(case)
     inductor_cfg = contextlib.nullcontext()
     if case.backend == "inductor":
@@ -239,7 +316,8 @@ def run_case(case: Case) -> dict[str, Any]:
 
     with inductor_cfg:
         t0 = time.perf_counter()
-        step()
+        with _KeptBytes.recording() as kept:
+            step()
         sync()
         compile_s = time.perf_counter() - t0
         step()
@@ -273,6 +351,8 @@ def run_case(case: Case) -> dict[str, Any]:
         "step_min_s": min(times),
         "compile_s": compile_s,
         "frames_compiled": counter.frame_count if case.backend != "eager" else 0,
+        # Saved tensors a selective hook (numerics_safe...) left uncompressed, per step.
+        "kept_bytes": kept.total if case.mode == "ours" else None,
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
     }
@@ -344,7 +424,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':12s} {'backend':9s} {'hook':23s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} "
-        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s}"
+        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s} {'kept MiB':>8s}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -360,7 +440,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{c['model']:12s} {c['backend']:9s} {hook:23s} {c['mode']:13s} "
             f"{r['peak_bytes'] / 2**20:9.1f} {r.get('peak_ratio', float('nan')):7.2f} "
             f"{r['step_s'] * 1e3:9.1f} {r.get('time_ratio', float('nan')):7.2f} "
-            f"{r.get('time_ratio_min', float('nan')):7.2f} {r['frames_compiled']:6d}"
+            f"{r.get('time_ratio_min', float('nan')):7.2f} {r['frames_compiled']:6d} "
+            f"{'-' if r.get('kept_bytes') is None else format(r['kept_bytes'] / 2**20, '8.2f'):>8s}"
         )
     return "\n".join(lines)
 
@@ -390,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m torch_patches bench", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--models", default="mlp8", help="comma list: mlp8, transformer")
+    parser.add_argument(
+        "--models", default="mlp8", help="comma list: mlp8, transformer, llama (HF config; needs transformers)"
+    )
     parser.add_argument("--backends", default="aot_eager,inductor")
     parser.add_argument(
         "--hooks",

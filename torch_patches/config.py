@@ -8,8 +8,10 @@ Use like any torch config module::
     with tp_config.patch(hooked_saved_tensor_dtypes="all"):   # scoped (tests)
         ...
 
-Knobs that compile-time decisions read are part of the AOTAutograd cache key (see
-``torch_patches/_functorch/_aot_autograd/autograd_cache.py``).
+Every knob is part of the identity of inlined hooks: the guard of a compiled frame and the
+AOTAutograd cache key hold a snapshot of the whole config (``config_key`` in
+``torch_patches/_hook_identity.py``), for hooks around the compiled call and hooks entered
+inside it alike, so changing any knob recompiles and misses the cache once.
 """
 
 import sys
@@ -56,6 +58,16 @@ hooked_saved_tensor_dtypes: str = "float"
 # Check that what unpack returns has the saved tensor's dtype, shape and device (and
 # strides, for inlined hooks). A mismatch is an error naming the hook and the tensor.
 validate_unpack: bool = True
+
+# The ready-made lossy hooks (bf16, fp8_rowwise, int8_rowwise and chains holding them)
+# select the saved tensors they compress with torch_patches.hooks.select.numerics_safe:
+# not tensors whose backward use amplifies absolute error (consumed, directly or through a
+# recompute chain, by sin/cos/exp/pow/log/rsqrt/...: RoPE angles, logits), not normalisation
+# statistics, not tensors too small to pay. False: compress every saved tensor they see.
+lossy_hooks_numerics_safe: bool = True
+
+# numerics_safe also leaves saved tensors smaller than this many bytes uncompressed.
+lossy_min_bytes: int = 0
 
 # When a hook cannot be inlined (untraceable) and the compile is not fullgraph:
 #  "warn" (default): keep eager hook semantics for that graph, with one warning.

@@ -45,6 +45,9 @@ __all__ = [
     "inlineable",
     "int8_rowwise",
     "is_inlineable",
+    "numerics_safe",
+    "select",
+    "SavedTensorInfo",
 ]
 
 
@@ -85,3 +88,4 @@ from torch_patches.hooks.compress import (  # noqa: E402
     int8_rowwise,
 )
 from torch_patches.hooks.offload import cpu_offload  # noqa: E402
+from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select  # noqa: E402

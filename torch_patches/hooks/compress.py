@@ -35,12 +35,19 @@ import torch
 import torch.utils._pytree as pytree
 
 from torch_patches.hooks import inlineable, is_inlineable
+from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select, unwrap_select
 
 
 __all__ = ["HookPair", "bf16", "chain", "fp8_rowwise", "int8_rowwise"]
 
 #: A ``(pack, unpack)`` pair as ``torch.autograd.graph.saved_tensors_hooks`` takes it.
 HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+#: A ``where=`` predicate (:func:`torch_patches.hooks.select`); None: every saved tensor.
+Where = Callable[[SavedTensorInfo], bool] | None
+
+
+def _where(pair: HookPair, where: Where) -> HookPair:
+    return pair if where is None else select(*pair, where=where)
 
 #: The OCP fp8 formats fp8_rowwise stores (the ``fnuz`` variants are not supported: their
 #: ``torch.finfo`` misreports e5m2fnuz's eps, and the bounds here are stated for these two).
@@ -75,7 +82,7 @@ def bf16_unpack(packed: Any) -> torch.Tensor:
     return stored.to(dtype)
 
 
-def bf16() -> HookPair:
+def bf16(where: Where = numerics_safe) -> HookPair:
     """Hooks storing floating-point saved tensors as bfloat16 (2 bytes per element).
 
     float32 and float64 tensors are rounded to bfloat16 (round to nearest even) and cast back
@@ -89,8 +96,12 @@ def bf16() -> HookPair:
     overflow to ``inf`` (float64 ones, and float32 ones within half an ulp of float32's
     maximum).
     Memory: 1/2 of float32, 1/4 of float64.
+
+    ``where``: which saved tensors to compress (:func:`torch_patches.hooks.select`); the
+    default, :func:`~torch_patches.hooks.select.numerics_safe`, leaves tensors whose backward
+    use amplifies absolute error (angles, logits, statistics) as they are; ``None``: all.
     """
-    return inlineable(bf16_pack, bf16_unpack)
+    return _where(inlineable(bf16_pack, bf16_unpack), where)
 
 
 # ------------------------------------------------------------------------- row-wise
@@ -127,7 +138,7 @@ def _rowwise_dequantize(packed: Any) -> torch.Tensor:
     return (q.to(torch.float32) * scale).to(dtype)
 
 
-def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn) -> HookPair:
+def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn, where: Where = numerics_safe) -> HookPair:
     """Hooks storing floating-point saved tensors as fp8 with one float32 scale per row.
 
     A row is the last dimension (a 0-d or 1-d tensor is one row).  Pack computes
@@ -158,6 +169,8 @@ def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn) -> HookPair:
 
     Memory: 1 byte per element plus 4 bytes per row.  The scale is float32: float64 rows with
     ``amax`` beyond float32's range are not supported.
+
+    ``where``: which saved tensors to compress, as for :func:`bf16`.
     """
     if dtype not in _FP8_DTYPES:
         raise ValueError(
@@ -175,13 +188,13 @@ def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn) -> HookPair:
     def fp8_rowwise_unpack(packed: Any) -> torch.Tensor:
         return _rowwise_dequantize(packed)
 
-    return inlineable(fp8_rowwise_pack, fp8_rowwise_unpack)
+    return _where(inlineable(fp8_rowwise_pack, fp8_rowwise_unpack), where)
 
 
 _INT8_MAX = 127.0
 
 
-def int8_rowwise() -> HookPair:
+def int8_rowwise(where: Where = numerics_safe) -> HookPair:
     """Hooks storing floating-point saved tensors as symmetric int8 with a scale per row.
 
     A row is the last dimension (a 0-d or 1-d tensor is one row).  Pack computes
@@ -204,6 +217,8 @@ def int8_rowwise() -> HookPair:
 
     Memory: 1 byte per element plus 4 bytes per row.  The scale is float32: float64 rows with
     ``amax`` beyond float32's range are not supported.
+
+    ``where``: which saved tensors to compress, as for :func:`bf16`.
     """
 
     def int8_rowwise_pack(x: torch.Tensor) -> Any:
@@ -215,7 +230,7 @@ def int8_rowwise() -> HookPair:
     def int8_rowwise_unpack(packed: Any) -> torch.Tensor:
         return _rowwise_dequantize(packed)
 
-    return inlineable(int8_rowwise_pack, int8_rowwise_unpack)
+    return _where(inlineable(int8_rowwise_pack, int8_rowwise_unpack), where)
 
 
 # ------------------------------------------------------------------------- chaining
@@ -266,6 +281,11 @@ def chain(first: HookPair, *rest: HookPair) -> HookPair:
     Error: ``b`` acts on ``a``'s stored tensors, so the bounds compose through ``a``'s unpack;
     with a lossless ``b`` (offload, reshaping) ``chain(a, b)`` round-trips exactly as ``a``.
 
+    Pairs made with :func:`~torch_patches.hooks.select` (the lossy hooks by default) make the
+    whole chain selective: it applies to the saved tensors every such pair accepts; the
+    others are saved as they are (``chain(fp8_rowwise(), cpu_offload())`` neither compresses
+    nor offloads RoPE angles; pass ``where=None`` to the lossy pair to offload everything).
+
     The chained functions are marked inlineable when every function of every pair is
     (``fx.GraphModule`` or marked); otherwise they are returned unmarked and run as eager
     hooks, since inlining would trace functions nobody promised are traceable.
@@ -274,7 +294,19 @@ def chain(first: HookPair, *rest: HookPair) -> HookPair:
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(callable, pair))):
             raise TypeError(f"chain: argument {i} is not a (pack, unpack) pair of callables")
-    result: HookPair = (pairs[0][0], pairs[0][1])
-    for pair in pairs[1:]:
+    # Selective pairs (select(), the lossy hooks' numerics-safe default): the chain applies
+    # to the saved tensors every one of them accepts, and to those only.
+    wheres = []
+    inner = []
+    for pair in pairs:
+        sel = unwrap_select(pair)
+        if sel is not None:
+            wheres.append(sel[2])
+            pair = (sel[0], sel[1])
+        inner.append(pair)
+    result: HookPair = (inner[0][0], inner[0][1])
+    for pair in inner[1:]:
         result = _chain2(result, (pair[0], pair[1]))
+    for where in wheres:
+        result = select(*result, where=where)
     return result

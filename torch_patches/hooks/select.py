@@ -71,7 +71,7 @@ class SavedTensorInfo:
         return self.name is not None
 
     @staticmethod
-    def from_tensor(t: torch.Tensor) -> SavedTensorInfo:
+    def from_tensor(t: torch.Tensor) -> "SavedTensorInfo":
         """What eager knows of a tensor at pack time."""
         grad_fn = t.grad_fn
         return SavedTensorInfo(
@@ -123,8 +123,9 @@ def select(
 
     from torch_patches.hooks import inlineable, is_inlineable
 
+    parts = (pack, unpack, where)
     for fn in (select_pack, select_unpack):
-        setattr(fn, SELECT_ATTR, (pack, unpack, where))
+        setattr(fn, SELECT_ATTR, parts)
     if is_inlineable(pack) and is_inlineable(unpack):
         return inlineable(select_pack, select_unpack)
     return select_pack, select_unpack
@@ -156,6 +157,9 @@ AMPLIFYING_OPS = frozenset(
         "polar", "special_erfcx", "erfinv",
     }
 )
+#: ``pow`` by a constant exponent of at most this magnitude only scales relative error
+#: (x**2: twice x's); larger ones and tensor exponents amplify it.
+_MILD_POW = 2.0
 #: Ops whose output is normalisation statistics when it is not output 0.
 _NORM_OPS = frozenset(
     {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
@@ -169,6 +173,8 @@ _STAT_OPS = frozenset({"rsqrt", "reciprocal", "var", "var_mean", "std", "std_mea
 def op_base_name(op: str) -> str:
     """``"aten.sin.default"`` -> ``"sin"``; ``"SinBackward0"`` -> ``"sin"``; ``"getitem:1 of
     aten.native_layer_norm.default"`` -> ``"native_layer_norm"``."""
+    if op.endswith(")") and "(" in op:  # "aten.pow.Tensor_Scalar(2)"
+        op = op[: op.rindex("(")]
     if " of " in op:
         op = op.split(" of ", 1)[1]
     if op.startswith(("aten.", "prims.")):
@@ -209,9 +215,19 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
         if producer.startswith("getitem:") and base in _NORM_OPS and not producer.startswith("getitem:0 "):
             return False
     if info.backward_consumers is not None:
-        if any(op_base_name(op) in AMPLIFYING_OPS for op in info.backward_consumers):
+        if any(_amplifies(op) for op in info.backward_consumers):
             return False
     return True
+
+
+def _amplifies(op: str) -> bool:
+    base = op_base_name(op)
+    if base == "pow" and op.endswith(")") and "(" in op:
+        try:
+            return abs(float(op[op.rindex("(") + 1 : -1])) > _MILD_POW
+        except ValueError:
+            return True
+    return base in AMPLIFYING_OPS
 
 
 # ------------------------------------------------------------ compile-time context
@@ -242,6 +258,8 @@ def backward_consumers(bw_input: Any) -> tuple[str, ...]:
             continue
         seen.add(node)
         name = _target_name(node)
+        if node.target is torch.ops.aten.pow.Tensor_Scalar and isinstance(node.args[1], (int, float)):
+            name = f"{name}({node.args[1]})"  # the exponent decides (see numerics_safe)
         found.append(name)
         if op_base_name(name) in _TRANSPARENT:
             stack.extend(node.users)
@@ -269,10 +287,8 @@ def producer_of(saved: Any) -> str | None:
 
 def compiled_info(saved: Any, bw_input: Any, scope: str) -> SavedTensorInfo:
     """The :class:`SavedTensorInfo` of a saved tensor of a compiled graph."""
-    from torch.fx.experimental.symbolic_shapes import hint_int
-
     val = saved.meta["val"]
-    shape = tuple(hint_int(s, fallback=8192) for s in val.shape)
+    shape = tuple(_size_hint(s) for s in val.shape)
     numel = 1
     for s in shape:
         numel *= s
@@ -286,3 +302,17 @@ def compiled_info(saved: Any, bw_input: Any, scope: str) -> SavedTensorInfo:
         is_input=saved.op == "placeholder",
         scope=scope,
     )
+
+
+def _size_hint(s: Any) -> int:
+    """A symbolic size's example value (its hint); 8192 for one with none (unbacked)."""
+    if isinstance(s, int):
+        return s
+    node = getattr(s, "node", None)
+    hint = getattr(node, "hint", None)
+    if isinstance(hint, int):
+        return hint
+    try:
+        return int(node.shape_env.size_hint(node.expr))  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - no hint (unbacked size)
+        return 8192

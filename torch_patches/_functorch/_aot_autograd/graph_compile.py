@@ -453,8 +453,13 @@ def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
     # With a ShapeEnv, as in AOTAutograd: the same failures, for the same reasons.
     with FakeTensorMode(shape_env=ShapeEnv()):
         example = torch.empty(4, 8)
+    from torch_patches.hooks.select import unwrap_select
+
+    sel = unwrap_select((pair.pack, pair.unpack))
     try:
         check_keyable(pair)
+        if sel is not None:  # traced as the inliner traces it: the inner hooks
+            pair = HookPair(sel[0], sel[1], pair.label)
         packed = _trace_hook(pair.pack, example, aot_config=None, role="pack", pair=pair, saved=None, bw_graph=None)
         _trace_hook(pair.unpack, packed.out_vals, aot_config=None, role="unpack", pair=pair, saved=None, bw_graph=None)
     except SavedTensorsHookError as e:
@@ -772,8 +777,10 @@ def _inline(
             why = f"dtype {val.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
         elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
             why = "unused by the backward"
+        else:
+            pair, why = _selected(saved, bw_inputs[saved.name], pair)
         if why is not None:
-            artifact.debug("saved %s (%s) left unhooked: %s", saved.name, hook_utils.describe_value(val), why)
+            artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
             continue
         hookable[saved] = pair
     # A saved tensor that is a pure alias (detach, alias) of another hooked saved tensor is
@@ -830,18 +837,57 @@ def _inline(
         )
     _rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
     for plan in plans:
-        artifact.debug(
-            "saved %s (%s): %s",
-            plan.saved.name,
-            hook_utils.describe_value(plan.saved.meta["val"]),
-            plan.pair.names,
-        )
+        artifact.debug("saved %s hooked: %s", _describe_saved(plan.saved), plan.pair.names)
     fw_g.lint()
     bw_g.lint()
     fw_module.recompile()
     bw_module.recompile()
     artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
     artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+def _describe_saved(saved: fx.Node) -> str:
+    """``mul_3 (float32[4, 8] on cpu, 128 B, from aten.mul.Tensor)`` for the log."""
+    from torch_patches.hooks.select import compiled_info
+
+    val = saved.meta["val"]
+    info = compiled_info(saved, None, "")
+    source = "a graph input" if info.is_input else f"from {info.producer}"
+    return f"{saved.name} ({hook_utils.describe_value(val)}, {info.nbytes} B, {source})"
+
+
+def _selected(saved: fx.Node, bw_input: fx.Node, pair: HookPair) -> tuple[HookPair, str | None]:
+    """The hooks ``saved`` takes and None, or ``pair`` and why it is left unhooked.
+
+    A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
+    tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
+    takes the pair's inner hooks (traced without the eager-mode branching).
+    """
+    from torch_patches.hooks.select import compiled_info, unwrap_select
+
+    sel = unwrap_select((pair.pack, pair.unpack))
+    if sel is None:
+        return pair, None
+    pack, unpack, where = sel
+    info = compiled_info(saved, bw_input, pair.label)
+    try:
+        accepted = bool(where(info))
+    except Exception as e:  # noqa: BLE001 - the user's predicate
+        raise _hook_error(
+            pair.pack,
+            f"its where= predicate {hook_utils.hook_name(where)} raised {type(e).__name__}: {e}",
+            e,
+            role="pack",
+            pair=pair,
+            saved=saved,
+        ) from e
+    if not accepted:
+        consumers = ", ".join(info.backward_consumers or ()) or "none"
+        return pair, (
+            f"not selected by where={hook_utils.hook_name(where)} "
+            f"(backward consumers: {consumers})"
+        )
+    return HookPair(pack, unpack, pair.label), None
 
 
 #: Ops whose output is the input itself (same storage, sizes, strides) under another name.

@@ -1,0 +1,188 @@
+"""Which saved tensors a hook compresses: ``select(pack, unpack, where=...)`` and the
+numerics-safe default of the ready-made lossy hooks.
+
+The model is RoPE in miniature: large angles (a projection times 64) feed cos/sin, which
+rotate an activation. Eager saves cos/sin (bounded); the compiled graph saves
+the angles and recomputes cos/sin in the backward, so a lossy hook on the angles moves them
+by whole radians. The default selection leaves them alone.
+"""
+
+import torch
+import torch._functorch.config as functorch_config
+from torch._dynamo.test_case import run_tests
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from torch_patches import config as tp_config
+from torch_patches.hooks import SavedTensorInfo, bf16, fp8_rowwise, numerics_safe, select
+from torch_patches.testing import (
+    AotEagerAndRecordGraphs,
+    SavedTensorsHookError,
+    TestCase,
+    hook_nodes,
+    instantiate_device_type_tests,
+)
+
+
+def rope(x, w, wf):
+    h = x @ w
+    angles = (x @ wf) * 64.0  # partitioner: saved, cos/sin recomputed in the backward
+    return (h * angles.cos() + h.roll(1, -1) * angles.sin()).tanh()
+
+
+def inputs(device, n=256, d=64):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+    w = (torch.randn(d, d, generator=gen) / d**0.5).to(device).requires_grad_()
+    wf = (torch.randn(d, d, generator=gen) / d**0.5).to(device).requires_grad_()
+    return x, w, wf
+
+
+def grads(fn, args, hooks=None):
+    args = [a.detach().clone().requires_grad_() for a in args]
+    ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with ctx:
+        fn(*args).sum().backward()
+    return [a.grad for a in args]
+
+
+def rel_err(got, ref):
+    return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, ref))
+
+
+class TestSelect(TestCase):
+    def test_default_keeps_rope_angles_and_matches_eager_error(self, device):
+        args = inputs(device)
+        ref = grads(rope, args)
+        for factory in (bf16, fp8_rowwise):
+            with self.subTest(hook=factory.__name__):
+                eager = rel_err(grads(rope, args, factory()), ref)
+                torch._dynamo.reset()
+                rec = AotEagerAndRecordGraphs()
+                ours = rel_err(grads(torch.compile(rope, backend=rec, fullgraph=True), args, factory()), ref)
+                torch._dynamo.reset()
+                everything = rel_err(
+                    grads(torch.compile(rope, backend="aot_eager", fullgraph=True), args, factory(where=None)), ref
+                )
+                # Compressing the angles costs far more than the rest; the default does not.
+                self.assertLessEqual(ours, 1.5 * eager, (ours, eager, everything))
+                self.assertGreater(everything, 10 * ours, (ours, eager, everything))
+                if factory is bf16:  # past the 1.5x budget
+                    self.assertGreater(everything, 1.5 * eager, (ours, eager, everything))
+                saved = {meta["saved"] for meta in hook_nodes(rec.fw_graphs[0]).values()}
+                self.assertTrue(saved)  # other activations are still compressed
+
+    def test_predicate_sees_compile_time_context(self, device):
+        seen = []
+
+        def where(info):
+            seen.append(info)
+            return info.nbytes >= 4096
+
+        args = inputs(device)
+        with functorch_config.patch(saved_tensors_hooks_filtering_mode="all"):
+            grads(torch.compile(rope, backend="aot_eager", fullgraph=True), args, select(*bf16(where=None), where=where))
+        by_consumer = {op for info in seen for op in info.backward_consumers}
+        self.assertTrue(all(info.compiled and info.scope == "ambient" for info in seen))
+        angles = [i for i in seen if {"aten.cos.default", "aten.sin.default"} & set(i.backward_consumers)]
+        self.assertTrue(angles, by_consumer)
+        self.assertIn(angles[0].producer, ("aten.mul.Tensor", "aten.mm.default"))
+        self.assertEqual((angles[0].dtype, angles[0].nbytes), (torch.float32, 256 * 64 * 4))
+        self.assertTrue(all(i.producer.startswith("aten.") and not i.is_input for i in seen))
+
+    def test_eager_context_and_selection(self, device):
+        seen = []
+        base = bf16(where=None)
+        pack, unpack = select(*base, where=lambda info: seen.append(info) or info.nbytes >= 1024)
+        x = torch.randn(64, 64, device=device, requires_grad=True)
+        small = torch.randn(4, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = (x.exp() * 3).sum() + (small.exp()).sum()
+        y.backward()
+        exp_info = [i for i in seen if i.producer == "ExpBackward0"]
+        self.assertTrue(exp_info)
+        self.assertTrue(all(i.backward_consumers is None and not i.compiled for i in seen))
+        # The small exp result was kept exact: its gradient is exp(small) exactly.
+        self.assertEqual(small.grad, small.detach().exp(), atol=0, rtol=0)
+        self.assertNotEqual(x.grad, x.detach().exp() * 3)  # the big one went through bf16
+
+    def test_in_region_scope_and_fullgraph(self, device):
+        hooks = bf16()
+
+        def fn(x, w, wf):
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                return rope(x, w, wf)
+
+        args = inputs(device)
+        rec = AotEagerAndRecordGraphs()
+        got = grads(torch.compile(fn, backend=rec, fullgraph=True), args)
+        torch._dynamo.reset()
+        ambient = grads(torch.compile(rope, backend="aot_eager", fullgraph=True), args, bf16())
+        self.assertGradsEqual(got, ambient, exact=True)
+        self.assertTrue(hook_nodes(rec.fw_graphs[0]))
+
+    def test_predicate_is_part_of_the_identity(self, device):
+        threshold = {"bytes": 1 << 30}
+
+        def where(info):
+            return info.nbytes >= threshold["bytes"]
+
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(rope, backend=counter)
+        args = inputs(device)
+        hooks = select(*bf16(where=None), where=where)
+        none_hooked = grads(compiled, args, hooks)
+        threshold["bytes"] = 0
+        all_hooked = grads(compiled, args, hooks)
+        self.assertEqual(counter.frame_count, 2)
+        self.assertFalse(torch.equal(none_hooked[0], all_hooked[0]))
+        torch._dynamo.reset()
+        self.assertGradsEqual(all_hooked, grads(torch.compile(rope, backend="aot_eager"), args, hooks), exact=True)
+
+    def test_predicate_error_names_hook_and_tensor(self, device):
+        def where(info):
+            raise ValueError("no opinion")
+
+        with self.assertRaisesHookError("where= predicate .*where.* raised ValueError: no opinion"):
+            grads(torch.compile(rope, backend="aot_eager", fullgraph=True), inputs(device), select(*bf16(where=None), where=where))
+
+    def test_log_names_producer_bytes_and_reason(self, device):
+        from torch_patches import _logging as tp_logging
+
+        logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
+        with self.assertLogs(logger, level="DEBUG") as captured:
+            grads(torch.compile(rope, backend="aot_eager", fullgraph=True), inputs(device), bf16())
+        text = "\n".join(captured.output)
+        self.assertRegex(text, r"saved \w+ \(float32\[256, 64\] on \w+, 65536 B, from aten\.(mul\.Tensor|mm\.default)\) left unhooked: not selected by where=\S*numerics_safe \(backward consumers: [^)]*aten\.(cos|sin)")
+        self.assertRegex(text, r"saved \w+ \(.* B, from .*\) hooked: pack=")
+
+
+class TestNumericsSafe(TestCase):
+    def info(self, **kw):
+        base = dict(name="t", producer="aten.mm.default", dtype=torch.float32, shape=(64, 64),
+                    nbytes=16384, backward_consumers=("aten.mm.default",), is_input=False, scope="ambient")
+        base.update(kw)
+        return SavedTensorInfo(**base)
+
+    def test_rules(self, device):
+        self.assertTrue(numerics_safe(self.info()))
+        for consumers in (("aten.cos.default",), ("aten.mul.Tensor", "aten.exp.default"),
+                          ("aten.pow.Tensor_Scalar(3)",), ("aten.rsqrt.default",)):
+            self.assertFalse(numerics_safe(self.info(backward_consumers=consumers)), consumers)
+        self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.pow.Tensor_Scalar(2)",))))
+        self.assertFalse(numerics_safe(self.info(producer="aten.rsqrt.default")))
+        self.assertFalse(numerics_safe(self.info(producer="getitem:2 of aten.native_layer_norm.default")))
+        self.assertTrue(numerics_safe(self.info(producer="getitem:0 of aten.native_layer_norm.default")))
+        self.assertFalse(numerics_safe(self.info(shape=(64, 1))))
+        self.assertFalse(numerics_safe(self.info(shape=())))
+        with tp_config.patch(lossy_min_bytes=1 << 20):
+            self.assertFalse(numerics_safe(self.info()))
+        with tp_config.patch(lossy_hooks_numerics_safe=False):
+            self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.sin.default",))))
+
+
+instantiate_device_type_tests(TestSelect, globals())
+instantiate_device_type_tests(TestNumericsSafe, globals())
+
+
+if __name__ == "__main__":
+    run_tests()
