@@ -20,7 +20,9 @@ Ready-made pairs (``torch_patches.hooks.compress``), all marked inlineable: ``bf
 pairs (compress, then offload), and ``cpu_offload(pin_memory)``
 (``torch_patches.hooks.offload``: moves saved tensors to host memory in the forward and
 back in the backward, with the reload issued ahead of its use).  Each documents its error
-bound.
+bound.  ``select(pack, unpack, where=...)`` applies any pair only to the saved tensors a
+compile-time predicate accepts (``torch_patches.hooks.select``); the lossy pairs default to
+``where=numerics_safe``.
 """
 
 from __future__ import annotations
