@@ -169,6 +169,7 @@ class TestNumericsSafe(TestCase):
                           ("aten.pow.Tensor_Scalar(3)",), ("aten.rsqrt.default",)):
             self.assertFalse(numerics_safe(self.info(backward_consumers=consumers)), consumers)
         self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.pow.Tensor_Scalar(2)",))))
+        self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.exp.default(-x^2)",))))
         self.assertFalse(numerics_safe(self.info(producer="aten.rsqrt.default")))
         self.assertFalse(numerics_safe(self.info(producer="getitem:2 of aten.native_layer_norm.default")))
         self.assertTrue(numerics_safe(self.info(producer="getitem:0 of aten.native_layer_norm.default")))
@@ -178,6 +179,51 @@ class TestNumericsSafe(TestCase):
             self.assertFalse(numerics_safe(self.info()))
         with tp_config.patch(lossy_hooks_numerics_safe=False):
             self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.sin.default",))))
+
+
+    def test_gaussian_exp_is_bounded_other_exp_is_not(self, device):
+        # GELU's decomposed backward reads its input through exp(x * x * -0.5): bounded, so
+        # the input is compressed; exp of the input itself (a logit) is not.
+        from torch_patches.hooks.select import backward_consumers
+
+        def consumers(fn):
+            gm = torch.fx.symbolic_trace(fn)
+            (x,) = gm.graph.find_nodes(op="placeholder")
+            return backward_consumers(x)
+
+        aten = torch.ops.aten
+        gaussians = (
+            lambda x: aten.exp.default(aten.mul.Tensor(aten.mul.Tensor(x, x), -0.5)),
+            lambda x: aten.exp.default(aten.neg.default(aten.pow.Tensor_Scalar(x, 2))),
+            lambda x: aten.exp.default(aten.div.Tensor(aten.mul.Tensor(aten.mul.Tensor(x, x), 3.0), -2.0)),
+        )
+        self.assertIn("aten.exp.default(-x^2)", consumers(gaussians[0]))
+        for fn in gaussians:
+            got = consumers(fn)
+            self.assertTrue(numerics_safe(self.info(backward_consumers=got)), got)
+        amplifying = (
+            lambda x: aten.exp.default(x),
+            lambda x: aten.exp.default(aten.mul.Tensor(aten.mul.Tensor(x, x), 0.5)),
+            lambda x: aten.exp.default(aten.mul.Tensor(x, -0.5)),
+        )
+        for fn in amplifying:
+            got = consumers(fn)
+            self.assertFalse(numerics_safe(self.info(backward_consumers=got)), got)
+
+    def test_gelu_input_is_compressed_under_inductor_decomposition(self, device):
+        from torch_patches.testing import InductorAndRecordGraphs
+
+        def mlp(x, w1, w2):
+            return torch.nn.functional.gelu(x @ w1) @ w2
+
+        gen = torch.Generator().manual_seed(0)
+        args = [(torch.randn(64, 64, generator=gen) / 8).to(device).requires_grad_() for _ in range(3)]
+        rec = InductorAndRecordGraphs()
+        grads(torch.compile(mlp, backend=rec, fullgraph=True), args, bf16())
+        fw = rec.fw_graphs[0]
+        saved = {meta["saved"] for meta in hook_nodes(fw).values()}
+        mm = [n.name for n in fw.graph.nodes if n.target is torch.ops.aten.mm.default]
+        self.assertIn(mm[0], saved, (mm, saved))  # x @ w1: GELU's input
 
 
 instantiate_device_type_tests(TestSelect, globals())

@@ -55,6 +55,14 @@ reload_prefetch_distance: int = 4
 #  "all": every saved tensor, as eager autograd would pass them.
 hooked_saved_tensor_dtypes: str = "float"
 
+# Hook saved graph inputs that are activations: non-leaf tensors produced by autograd
+# before the graph (the block input under per-block compilation, FSDP2, DDP's graph
+# splits, graph breaks), not parameters or buffers, not mutated, not aliased by an output,
+# when every saved tensor sharing their storage is hooked too, so packing frees them.
+# Upstream's "donated" filtering mode leaves every graph input alone; eager hooks pack
+# them. False: upstream's rule.
+hook_activation_inputs: bool = True
+
 # Check that what unpack returns has the saved tensor's dtype, shape and device (and
 # strides, for inlined hooks). A mismatch is an error naming the hook and the tensor.
 validate_unpack: bool = True

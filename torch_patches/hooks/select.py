@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 
 __all__ = ["SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select", "unwrap_select"]
@@ -193,7 +194,8 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
 
     * read in the backward, directly or through a recompute chain, by an op that amplifies
       absolute error (:data:`AMPLIFYING_OPS`: sin/cos of RoPE angles, exp of logits,
-      pow/rsqrt/reciprocal of statistics);
+      pow/rsqrt/reciprocal of statistics), except ``exp`` of a negative multiple of a
+      square (GELU's backward: bounded, so its error stays proportional to the input's);
     * that is normalisation statistics (an output other than the first of a norm op, or
       produced by rsqrt/reciprocal/var/std);
     * too small for row-wise compression to pay (last dimension below 2, 0-d) or smaller
@@ -222,6 +224,9 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
 
 def _amplifies(op: str) -> bool:
     base = op_base_name(op)
+    if base == "exp" and op.endswith(f"({NEGATIVE_SQUARE})"):
+        # exp(-c x^2) <= 1 and its error is at most 2/e times x's relative error.
+        return False
     if base == "pow" and op.endswith(")") and "(" in op:
         try:
             return abs(float(op[op.rindex("(") + 1 : -1])) > _MILD_POW
@@ -260,10 +265,53 @@ def backward_consumers(bw_input: Any) -> tuple[str, ...]:
         name = _target_name(node)
         if node.target is torch.ops.aten.pow.Tensor_Scalar and isinstance(node.args[1], (int, float)):
             name = f"{name}({node.args[1]})"  # the exponent decides (see numerics_safe)
+        elif node.target is torch.ops.aten.exp.default and _negative_square(node.args[0]):
+            name = f"{name}({NEGATIVE_SQUARE})"
         found.append(name)
         if op_base_name(name) in _TRANSPARENT:
             stack.extend(node.users)
     return tuple(dict.fromkeys(found))
+
+
+#: Consumer-name suffix of ``exp(c * x * x)`` with ``c < 0`` (a Gaussian: GELU's backward).
+NEGATIVE_SQUARE = "-x^2"
+
+
+def _number(arg: Any) -> float | None:
+    return float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
+
+
+def _square(node: Any) -> bool:
+    """``x * x``, ``x ** 2``, or a positive multiple of one."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    aten = torch.ops.aten
+    if node.target is aten.mul.Tensor and node.args[0] is node.args[1]:
+        return True
+    if node.target is aten.pow.Tensor_Scalar and _number(node.args[1]) == 2.0:
+        return True
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args[:2]
+        c = _number(b) if _number(b) is not None else _number(a)
+        return c is not None and c > 0 and _square(a if _number(b) is not None else b)
+    return False
+
+
+def _negative_square(node: Any) -> bool:
+    """``-(x * x)``, ``c * x * x`` or ``x * x / c`` with ``c < 0``: a non-positive exponent
+    whose exp has an absolute error bounded by a constant times x's relative error."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    aten = torch.ops.aten
+    if node.target is aten.neg.default:
+        return _square(node.args[0])
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+        a, b = node.args[:2]
+        if _number(b) is not None:
+            return _number(b) < 0 and _square(a)
+        is_mul = node.target in (aten.mul.Tensor, aten.mul.Scalar)
+        return is_mul and _number(a) is not None and _number(a) < 0 and _square(b)
+    return False
 
 
 def _target_name(node: Any) -> str:

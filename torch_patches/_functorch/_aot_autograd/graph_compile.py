@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx, py_sym_type
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs, utils as hook_utils
 from torch_patches._hook_identity import hook_identity
 
 
@@ -705,6 +705,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             fw_module,
             bw_module,
             num_inner_fwd_outputs,
+            inner_meta,
             aot_config,
             static_input_indices,
             ambient,
@@ -735,6 +736,7 @@ def _inline(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
     num_inner_fwd_outputs: int,
+    inner_meta: Any,
     aot_config: Any,
     static_input_indices: list[int],
     ambient: HookPair | None,
@@ -760,6 +762,11 @@ def _inline(
     allowed = _filtered_by_mode(
         fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
     )
+    inputs = act_inputs.activation_inputs(
+        fw_module, inner_meta, static_input_indices, num_inner_fwd_outputs
+    )
+    if allowed is not None:  # "donated": also the activations packing frees (see module)
+        allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
 
     for pair in dict.fromkeys(p for _, p in candidates):
@@ -772,7 +779,11 @@ def _inline(
         val = saved.meta["val"]
         why = None
         if allowed is not None and saved not in allowed:
-            why = f"filtered by saved_tensors_hooks_filtering_mode={torch._functorch.config.saved_tensors_hooks_filtering_mode!r}"
+            root = act_inputs.storage_root(saved)
+            if inputs.get(root) is not None:
+                why = f"{'is' if root is saved else 'aliases'} graph input {root.name}: {inputs[root]}"
+            else:
+                why = f"filtered by saved_tensors_hooks_filtering_mode={torch._functorch.config.saved_tensors_hooks_filtering_mode!r}"
         elif not hook_utils.is_hookable_dtype(val.dtype):
             why = f"dtype {val.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
         elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
@@ -783,6 +794,10 @@ def _inline(
             artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
             continue
         hookable[saved] = pair
+    if allowed is not None:
+        for saved, why in act_inputs.partially_hooked(saved_tensors, hookable, inputs).items():
+            artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
+            del hookable[saved]
     # A saved tensor that is a pure alias (detach, alias) of another hooked saved tensor is
     # not packed again: the backward reads the root's unpacked tensor for both.
     aliases = _alias_roots(hookable)
