@@ -83,3 +83,54 @@ def check_placed_at_use(test, fw, bw):
         while HOOK_META in node.meta:
             node = node.next
         test.assertIn(node, result.users, f"unpack of {saved_name} is not right before its first use")
+
+
+class RowScaled(torch.Tensor):
+    """A packed form as one tensor: bf16 rows and their float32 scales (a wrapper subclass).
+
+    Looks like the float32 tensor it encodes; any op on it runs on the decoded values.
+    """
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=scale.dtype, device=data.device
+        )
+
+    def __init__(self, data, scale):
+        self.data_ = data
+        self.scale = scale
+
+    def __tensor_flatten__(self):
+        return ["data_", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return RowScaled(inner["data_"], inner["scale"])
+
+    def decode(self):
+        return self.data_.to(self.scale.dtype) * self.scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def plain(t):
+            return t.decode() if isinstance(t, RowScaled) else t
+
+        return func(*torch.utils._pytree.tree_map(plain, args), **torch.utils._pytree.tree_map(plain, kwargs or {}))
+
+    def __repr__(self):
+        return f"RowScaled({self.decode()!r})"
+
+
+def row_scaled_pack(x):
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return RowScaled((x / scale).to(torch.bfloat16), scale)
+
+
+def row_scaled_unpack(packed):
+    return packed.decode()
+
+
+def exact_scaled_pack(x):
+    # Lossless RowScaled: twice the values, scales of one half.
+    return RowScaled(x * 2, torch.full_like(x[..., :1], 0.5))

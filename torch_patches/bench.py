@@ -45,6 +45,10 @@ LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise", "cpu_offload")
 
 #: Composed library hooks: name -> factory names, chained with ``torch_patches.hooks.chain``.
 COMPOSED_HOOKS = {"fp8_rowwise+cpu_offload": ("fp8_rowwise", "cpu_offload")}
+#: Library hooks that select with ``where`` (``numerics_safe`` by default).
+LOSSY_HOOKS = ("fp8_rowwise", "int8_rowwise")
+#: ``--hooks fp8_rowwise:all``: the hook with ``where=None`` (every saved tensor it sees).
+ALL_SUFFIX = ":all"
 
 #: Composed hooks stock inlining cannot take: cpu_offload's pack reads ``x.stride()`` into a
 #: list (to restore strides), which ``fx.symbolic_trace`` cannot turn into a GraphModule.
@@ -215,11 +219,19 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
         pack, unpack = _cast_hooks(torch.bfloat16)
     elif case.hook == "fp8":
         pack, unpack = _cast_hooks(torch.float8_e4m3fn)
-    elif case.hook in LIBRARY_HOOKS or case.hook in COMPOSED_HOOKS:
+    elif case.hook.removesuffix(ALL_SUFFIX) in (*LIBRARY_HOOKS, *COMPOSED_HOOKS):
         # Ready-made hooks (marked inlineable): "ours" inlines them as they are; without
         # torch_patches applied (the other modes) marked functions stay Python hooks.
-        names = COMPOSED_HOOKS.get(case.hook, (case.hook,))
-        pack, unpack = library.chain(*(getattr(library, n)() for n in names))
+        # NAME:all is the hook without its numerics-safe selection (where=None).
+        name = case.hook.removesuffix(ALL_SUFFIX)
+        select_all = name != case.hook
+        names = COMPOSED_HOOKS.get(name, (name,))
+        pack, unpack = library.chain(
+            *(
+                getattr(library, n)(where=None) if select_all and n in LOSSY_HOOKS else getattr(library, n)()
+                for n in names
+            )
+        )
         if case.mode == "ours":
             return pack, unpack
     else:
@@ -479,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "--hooks",
         default="bf16,fp8",
         help="bf16, fp8, torch_patches.hooks names (fp8_rowwise, int8_rowwise, cpu_offload) "
-        "or fp8_rowwise+cpu_offload (chained)",
+        "or fp8_rowwise+cpu_offload (chained); NAME:all for a lossy library hook without its numerics-safe selection",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

@@ -39,10 +39,15 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx, py_sym_types
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs, utils as hook_utils
+from torch_patches._functorch._aot_autograd import (
+    activation_inputs as act_inputs,
+    packed_subclasses,
+    utils as hook_utils,
+)
 from torch_patches._hook_identity import hook_identity
 
 
@@ -295,6 +300,8 @@ class _Traced:
     gm: fx.GraphModule
     out_args: Any  # output node args: pytree of fx.Node / constants
     out_vals: Any  # same structure, with example values
+    # pack only: how tensor-subclass outputs were flattened into out_args (None: none were)
+    layout: packed_subclasses.SubclassLayout | None = None
 
 
 def _hook_error(
@@ -339,17 +346,35 @@ def _trace_hook(
     pair: HookPair,
     saved: fx.Node | None,
     bw_graph: fx.Graph | None,
+    layout: packed_subclasses.SubclassLayout | None = None,
 ) -> _Traced:
-    """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions."""
+    """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions.
+
+    Pack outputs that are tensor subclasses are traced flattened (``_Traced.layout`` says
+    how); an unpack given that ``layout`` receives them rebuilt.
+    """
     from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
     from torch._functorch._aot_autograd import graph_compile as gc
     from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
 
     flat, spec = pytree.tree_flatten(example)
 
+    flattened: list[packed_subclasses.SubclassLayout | None] = [None]
+
     def flat_fn(*args: Any) -> Any:
-        out = fn(pytree.tree_unflatten(list(args), spec))
+        if layout is not None:
+            arg = packed_subclasses.rebuild_subclasses(list(args), layout)
+        else:
+            arg = pytree.tree_unflatten(list(args), spec)
+        out = fn(arg)
+        if role == "pack":
+            out, flattened[0] = packed_subclasses.flatten_subclasses(out)
         for leaf in pytree.tree_leaves(out):
+            if is_traceable_wrapper_subclass(leaf):  # unpack: the saved tensor is plain
+                raise _NotTraceableOutput(
+                    f"it returns a tensor subclass ({type(leaf).__qualname__}); unpack "
+                    "must return a plain tensor like the saved one"
+                )
             if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES, *py_sym_types)):
                 raise _NotTraceableOutput(
                     f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
@@ -400,19 +425,11 @@ def _trace_hook(
     out_args = gm.graph.output_node().args[0]
     out_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), out_args)
     for leaf in pytree.tree_leaves(out_vals):
-        if isinstance(leaf, torch.Tensor):
-            from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-            if is_traceable_wrapper_subclass(leaf):
-                raise fail(
-                    "it returns a tensor subclass; return the subclass's inner tensors "
-                    "and rebuild it in unpack"
-                )
-        elif not isinstance(leaf, (*_CONSTANT_TYPES, *py_sym_types)):
+        if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES, *py_sym_types)):
             raise fail(
                 f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
             )
-    return _Traced(gm, out_args, out_vals)
+    return _Traced(gm, out_args, out_vals, flattened[0])
 
 
 @__import__("contextlib").contextmanager
@@ -461,7 +478,16 @@ def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
         if sel is not None:  # traced as the inliner traces it: the inner hooks
             pair = HookPair(sel[0], sel[1], pair.label)
         packed = _trace_hook(pair.pack, example, aot_config=None, role="pack", pair=pair, saved=None, bw_graph=None)
-        _trace_hook(pair.unpack, packed.out_vals, aot_config=None, role="unpack", pair=pair, saved=None, bw_graph=None)
+        _trace_hook(
+            pair.unpack,
+            packed.out_vals,
+            aot_config=None,
+            role="unpack",
+            pair=pair,
+            saved=None,
+            bw_graph=None,
+            layout=packed.layout,
+        )
     except SavedTensorsHookError as e:
         return e
     return None
@@ -817,7 +843,10 @@ def _inline(
             pair=pair,
             saved=saved,
             bw_graph=bw_g,
+            layout=pack.layout,
         )
+        if pack.layout is not None:
+            artifact.debug("saved %s: packed as %s, flattened between the graphs", saved.name, pack.layout.describe())
         out = unpack.out_vals
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]
@@ -1073,6 +1102,9 @@ def _insert_unpack(
             env[ph] = bw_input
             new_inputs[leaf] = bw_input
             continue
+        if leaf in new_inputs:  # one symbol in several places (a subclass's sizes)
+            env[ph] = new_inputs[leaf]
+            continue
         with bw_g.inserting_before(bw_input):
             new = bw_g.placeholder(leaf.name)  # same name as the forward output
         new.meta = {k: v for k, v in leaf.meta.items() if k in ("val", "tensor_meta")}
@@ -1149,11 +1181,13 @@ def _rewire_saved(
         else:
             opaque.append(node)
 
+    seen: set[fx.Node] = set()
     for node in saved:
         if node in packed_leaves:
             for leaf in packed_leaves[node]:
-                if not isinstance(leaf, fx.Node):
-                    continue
+                if not isinstance(leaf, fx.Node) or leaf in seen:
+                    continue  # constants are baked in; a leaf repeated is saved once
+                seen.add(leaf)
                 if is_sym_node(leaf):
                     new_syms.append(leaf)
                 else:
