@@ -132,6 +132,28 @@ class TestApplyUnapply(TestCase):
         changed = {k for k in before if after.get(k) != before[k]}
         self.assertEqual(changed, set())
 
+    def test_offload_area_opt_out(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        offload = {p.name for p in PATCHES if p.area == "offload"}
+        self.assertEqual(offload, {"inductor.free_without_reuse", "inductor.no_inplace_reuse"})
+        torch_patches.apply(offload=False)
+        try:
+            self.assertEqual(set(torch_patches.applied_patches()), {p.name for p in PATCHES} - offload)
+            for p in PATCHES:
+                if p.name in offload:
+                    self.assertIs(_raw(p), originals[p.name], p.name)
+            from torch_patches.hooks import cpu_offload
+
+            with self.assertRaisesRegex(RuntimeError, "offload=False"):
+                cpu_offload()
+            torch_patches.apply(offload=False)  # idempotent with the same areas
+            with self.assertRaisesRegex(RuntimeError, "already applied with other areas"):
+                torch_patches.apply()
+        finally:
+            torch_patches.unapply()
+        for p in PATCHES:
+            self.assertIs(_raw(p), originals[p.name], p.name)
+
     def test_get_original(self):
         p = PATCHES[0]
         original = _raw(p)
@@ -251,6 +273,63 @@ class TestRefusal(TestCase):
             self.assertFalse(torch_patches.is_applied())
         finally:
             setattr(owner, attr, original)
+
+    def test_refuses_a_functools_wraps_foreign_patch(self):
+        # wraps copies __module__/__qualname__ and inspect follows __wrapped__ to torch's
+        # source: names and fingerprint both look like torch's own definition.
+        import functools
+
+        for patch in (PATCHES[0], PATCHES[-1]):
+            owner, attr, original = _registry._resolve(patch.target)
+            fn = _registry._function_of(original)
+
+            @functools.wraps(fn)
+            def foreign(*args, **kwargs):
+                return fn(*args, **kwargs)
+
+            setattr(owner, attr, type(original)(foreign) if isinstance(original, (staticmethod, classmethod)) else foreign)
+            try:
+                with self.assertRaises(torch_patches.PatchError) as cm:
+                    torch_patches.apply()
+                self.assertIn(patch.name, str(cm.exception))
+                self.assertIn("someone else patched it", str(cm.exception))
+                self.assertIn("code foreign at", str(cm.exception))
+                self.assertFalse(torch_patches.is_applied())
+            finally:
+                setattr(owner, attr, original)
+
+    def test_unapply_refuses_under_a_foreign_patch_layered_after_apply(self):
+        originals = {p.name: _raw(p) for p in PATCHES}
+        torch_patches.apply()
+        patch = PATCHES[0]
+        owner, attr, ours = _registry._resolve(patch.target)
+
+        def layered(*args, **kwargs):
+            return ours(*args, **kwargs)
+
+        setattr(owner, attr, layered)
+        try:
+            with self.assertRaises(torch_patches.UnapplyError) as cm:
+                torch_patches.unapply()
+            self.assertIn(patch.name, str(cm.exception))
+            self.assertIn("layered", str(cm.exception))
+            self.assertTrue(torch_patches.is_applied())  # nothing restored
+            self.assertIs(_raw(patch), layered)
+        finally:
+            setattr(owner, attr, ours)
+            torch_patches.unapply()
+        self._assert_nothing_patched(originals)
+
+    def test_status_after_apply_fingerprints_the_originals(self):
+        before = {s.name: s.fingerprint for s in torch_patches.status()}
+        torch_patches.apply()
+        try:
+            after = torch_patches.status()
+        finally:
+            torch_patches.unapply()
+        self.assertEqual({s.name: s.fingerprint for s in after}, before)
+        self.assertEqual([s.name for s in after if not s.fingerprint_ok or s.problem], [])
+        self.assertTrue(all(s.applied for s in after))
 
     def test_rolls_back_if_install_fails(self):
         originals = {p.name: _raw(p) for p in PATCHES}

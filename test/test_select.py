@@ -181,9 +181,9 @@ class TestNumericsSafe(TestCase):
             self.assertTrue(numerics_safe(self.info(backward_consumers=("aten.sin.default",))))
 
 
-    def test_gaussian_exp_is_bounded_other_exp_is_not(self, device):
-        # GELU's decomposed backward reads its input through exp(x * x * -0.5): bounded, so
-        # the input is compressed; exp of the input itself (a logit) is not.
+    def test_gaussian_and_logistic_exp_are_bounded_other_exp_is_not(self, device):
+        # GELU's decomposed backward reads its input through exp(x * x * -0.5), SiLU's through
+        # x / (1 + exp(-x)): bounded, so the input is compressed; exp of a logit is not.
         from torch_patches.hooks.select import backward_consumers
 
         def consumers(fn):
@@ -201,8 +201,16 @@ class TestNumericsSafe(TestCase):
         for fn in gaussians:
             got = consumers(fn)
             self.assertTrue(numerics_safe(self.info(backward_consumers=got)), got)
+        # SiLU as Inductor decomposes its backward: x / (1 + exp(-x)); a sigmoid 1 / (1 + exp(-x)).
+        silu = lambda x: aten.div.Tensor(x, aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))  # noqa: E731
+        sigmoid = lambda x: aten.reciprocal.default(aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))  # noqa: E731
+        for fn in (silu, sigmoid):
+            got = consumers(fn)
+            self.assertIn("aten.exp.default(logistic)", got)
+            self.assertTrue(numerics_safe(self.info(backward_consumers=got)), got)
         amplifying = (
             lambda x: aten.exp.default(x),
+            lambda x: aten.mul.Tensor(aten.add.Tensor(aten.exp.default(x), 1), x),  # not inverted
             lambda x: aten.exp.default(aten.mul.Tensor(aten.mul.Tensor(x, x), 0.5)),
             lambda x: aten.exp.default(aten.mul.Tensor(x, -0.5)),
         )

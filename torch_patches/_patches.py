@@ -164,6 +164,7 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_IW}:PythonWrapperCodegen.can_reuse", f"{_IW}:FreeLine.codegen"),
         issue=7,
         tests=("test/test_offload.py",),
+        area="offload",
     ),
     Patch(
         name="inductor.no_inplace_reuse",
@@ -178,5 +179,6 @@ PATCHES: tuple[Patch, ...] = (
         after=("inductor.free_without_reuse",),
         issue=7,
         tests=("test/test_offload.py",),
+        area="offload",
     ),
 )

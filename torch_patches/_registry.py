@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 import textwrap
@@ -81,6 +82,8 @@ class Patch:
         after: names of patches this one builds on (order of the upstream stack).
         issue: the tracker issue that introduced it.
         tests: our test files that exercise it (the Test Plan of its upstream commit).
+        area: ``"core"`` (always applied) or an opt-out area named by a keyword of
+            :func:`apply` (``"offload"``: ``apply(offload=False)`` leaves it out).
     """
 
     name: str
@@ -97,6 +100,7 @@ class Patch:
     after: tuple[str, ...] = ()
     issue: int | None = None
     tests: tuple[str, ...] = ()
+    area: str = "core"
 
     @property
     def band(self) -> str:
@@ -257,10 +261,12 @@ def _function_of(raw: Any) -> Any:
 
 
 def live_fingerprint(targets: Iterable[str]) -> str:
-    """Fingerprint of the live definitions of ``targets`` in the installed torch."""
+    """Fingerprint of torch's definitions of ``targets`` in the installed torch (the
+    originals of targets we patched, not our replacements)."""
     parts = []
     for target in targets:
         _, _, raw = _resolve(target)
+        raw = next((p.original for p in _INSTALLED if p.patch.target == target), raw)
         if raw is _MISSING:
             raise LookupError(f"{target} does not exist")
         parts.append(fingerprint_source(inspect.getsource(_function_of(raw))))
@@ -357,13 +363,25 @@ def _registered() -> tuple[Patch, ...]:
 
 
 def _is_torch_definition(raw: Any, target: str) -> bool:
+    """Whether ``raw`` is the function torch's module defines at ``target``.
+
+    Names are not enough: ``functools.wraps`` copies ``__module__``/``__qualname__`` onto a
+    foreign wrapper (and ``inspect`` follows its ``__wrapped__`` to fingerprint torch's
+    source), so the code object must be compiled from the target module's own file.
+    """
     fn = _function_of(raw)
     module_name, path = _split(target)
-    return (
-        getattr(fn, "__module__", None) == module_name
-        and getattr(fn, "__qualname__", None) == ".".join(path)
-        and not hasattr(fn, _MARK)
-    )
+    if (
+        getattr(fn, "__module__", None) != module_name
+        or getattr(fn, "__qualname__", None) != ".".join(path)
+        or hasattr(fn, _MARK)
+    ):
+        return False
+    code = getattr(fn, "__code__", None)
+    module_file = getattr(sys.modules.get(module_name), "__file__", None)
+    if code is None or module_file is None:
+        return False
+    return code.co_name == path[-1] and os.path.samefile(code.co_filename, module_file)
 
 
 def check_fingerprint(patch: Patch) -> tuple[str, bool]:
@@ -388,9 +406,12 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
         raise _Refused(f"target {patch.target} does not exist in torch {version_str}")
     if not _is_torch_definition(raw, patch.target):
         fn = _function_of(raw)
+        found = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            found += f", code {code.co_name} at {code.co_filename}:{code.co_firstlineno}"
         raise _Refused(
-            f"target {patch.target} is no longer torch's own definition (found "
-            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}); "
+            f"target {patch.target} is no longer torch's own definition (found {found}); "
             "someone else patched it"
         )
     try:
@@ -431,20 +452,42 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
     return _Installed(patch, owner, attr, raw, new)
 
 
-def apply() -> None:
+#: Opt-out areas: keyword of :func:`apply` -> what its patches are for.
+AREAS = {
+    "offload": "Inductor buffer-reuse patches cpu_offload needs (inductor.*); without them "
+    "cpu_offload() refuses",
+}
+
+
+def _selected(areas: dict[str, bool]) -> tuple[Patch, ...]:
+    unknown = sorted(set(areas) - set(AREAS))
+    if unknown:
+        raise TypeError(f"apply() got unknown area(s) {unknown}; areas: {sorted(AREAS)}")
+    return tuple(p for p in _registered() if p.area == "core" or areas.get(p.area, True))
+
+
+def apply(*, offload: bool = True) -> None:
     """Apply every registered patch, or none.
 
     Idempotent.  Raises :class:`PatchError` naming each patch that cannot apply on the
     installed torch (version band, missing target, fingerprint drift); in that case
-    nothing was patched.
+    nothing was patched.  ``offload=False`` leaves out the patches only ``cpu_offload``
+    needs (:data:`AREAS`), as gevent's ``patch_all(socket=False)`` does; applying again
+    with other areas while applied raises (``unapply()`` first).
     """
     with _LOCK:
+        wanted = _selected({"offload": offload})
         if _INSTALLED:
+            if {p.patch.name for p in _INSTALLED} != {p.name for p in wanted}:
+                raise RuntimeError(
+                    "torch_patches is already applied with other areas "
+                    f"({', '.join(applied_patches())}); call unapply() first"
+                )
             return
         version_str = torch_version()
         plans: list[_Installed] = []
         refusals: list[tuple[str, str]] = []
-        for patch in _registered():
+        for patch in wanted:
             try:
                 plans.append(_plan(patch, version_str))
             except _Refused as e:
@@ -482,11 +525,36 @@ def apply() -> None:
         )
 
 
+class UnapplyError(RuntimeError):
+    """Raised by :func:`unapply` when a patched attribute was replaced again after
+    :func:`apply` (a foreign patch layered on ours).  Nothing was restored."""
+
+
 def unapply() -> None:
-    """Restore every patched attribute (and every alias of it) to the original object."""
+    """Restore every patched attribute (and every alias of it) to the original object.
+
+    Refuses (:class:`UnapplyError`, nothing restored) when someone replaced a patched
+    attribute after :func:`apply`: restoring torch's original under their patch would
+    silently drop it, and leaving ours would keep torch patched.  Undo that patch first.
+    """
     with _LOCK:
         if not _INSTALLED:
             return
+        layered = [
+            (plan, vars(plan.owner).get(plan.attr))
+            for plan in _INSTALLED
+            if vars(plan.owner).get(plan.attr) is not plan.replacement
+        ]
+        if layered:
+            lines = ["torch_patches.unapply() refused; nothing was restored."]
+            for plan, found in layered:
+                fn = _function_of(found)
+                lines.append(
+                    f"  patch {plan.patch.name!r}: {plan.patch.target} was replaced after "
+                    f"apply() by {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}; "
+                    "undo that patch first"
+                )
+            raise UnapplyError("\n".join(lines))
         # Modules imported after apply() may have copied a replacement.
         late = _scan_aliases(p.replacement for p in _INSTALLED)
         for plan in reversed(_INSTALLED):

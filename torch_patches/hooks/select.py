@@ -195,7 +195,8 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
     * read in the backward, directly or through a recompute chain, by an op that amplifies
       absolute error (:data:`AMPLIFYING_OPS`: sin/cos of RoPE angles, exp of logits,
       pow/rsqrt/reciprocal of statistics), except ``exp`` of a negative multiple of a
-      square (GELU's backward: bounded, so its error stays proportional to the input's);
+      square (GELU's backward) and ``exp`` read only as ``1 / (1 + exp)`` (a sigmoid:
+      SiLU's backward): bounded, so their error stays proportional to the input's;
     * that is normalisation statistics (an output other than the first of a norm op, or
       produced by rsqrt/reciprocal/var/std);
     * too small for row-wise compression to pay (last dimension below 2, 0-d) or smaller
@@ -224,8 +225,9 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
 
 def _amplifies(op: str) -> bool:
     base = op_base_name(op)
-    if base == "exp" and op.endswith(f"({NEGATIVE_SQUARE})"):
-        # exp(-c x^2) <= 1 and its error is at most 2/e times x's relative error.
+    if base == "exp" and op.endswith(tuple(f"({b})" for b in _BOUNDED_EXP)):
+        # exp(-c x^2) <= 1, its error at most 2/e times x's relative error; 1/(1+exp(-x))
+        # has slope x*s*(1-s) <= 0.28 per unit of x's relative error.
         return False
     if base == "pow" and op.endswith(")") and "(" in op:
         try:
@@ -267,6 +269,8 @@ def backward_consumers(bw_input: Any) -> tuple[str, ...]:
             name = f"{name}({node.args[1]})"  # the exponent decides (see numerics_safe)
         elif node.target is torch.ops.aten.exp.default and _negative_square(node.args[0]):
             name = f"{name}({NEGATIVE_SQUARE})"
+        elif node.target is torch.ops.aten.exp.default and _logistic(node):
+            name = f"{name}({LOGISTIC})"
         found.append(name)
         if op_base_name(name) in _TRANSPARENT:
             stack.extend(node.users)
@@ -275,6 +279,11 @@ def backward_consumers(bw_input: Any) -> tuple[str, ...]:
 
 #: Consumer-name suffix of ``exp(c * x * x)`` with ``c < 0`` (a Gaussian: GELU's backward).
 NEGATIVE_SQUARE = "-x^2"
+#: Consumer-name suffix of an ``exp`` read only as ``1 / (1 + exp(.))`` (a sigmoid: SiLU's
+#: backward as Inductor decomposes it).
+LOGISTIC = "logistic"
+#: The ``exp`` forms whose output, and its error, are bounded.
+_BOUNDED_EXP = (NEGATIVE_SQUARE, LOGISTIC)
 
 
 def _number(arg: Any) -> float | None:
@@ -312,6 +321,31 @@ def _negative_square(node: Any) -> bool:
         is_mul = node.target in (aten.mul.Tensor, aten.mul.Scalar)
         return is_mul and _number(a) is not None and _number(a) < 0 and _square(b)
     return False
+
+
+def _logistic(exp: Any) -> bool:
+    """``exp`` read only through ``1 / (c + exp)`` or ``y / (c + exp)`` with ``c > 0`` (a
+    sigmoid, SiLU)."""
+    aten = torch.ops.aten
+    if not exp.users:
+        return False
+    for add in exp.users:
+        if add.target not in (aten.add.Tensor, aten.add.Scalar):
+            return False
+        others = [a for a in add.args[:2] if a is not exp]
+        if len(others) != 1 or _number(others[0]) is None or _number(others[0]) <= 0:
+            return False
+        for use in add.users:
+            # 1 / (c + exp) or y / (c + exp) (SiLU: x / (1 + exp(-x))): a factor in (0, 1/c)
+            # whose error is bounded whatever the exponent's.
+            inverse = use.target is aten.reciprocal.default or (
+                use.target in (aten.div.Tensor, aten.div.Scalar)
+                and use.args[1] is add
+                and use.args[0] is not add
+            )
+            if not inverse:
+                return False
+    return bool(exp.users)
 
 
 def _target_name(node: Any) -> str:

@@ -29,7 +29,6 @@ import contextlib
 import inspect
 import logging
 import uuid
-import weakref
 from typing import Any
 
 import torch
@@ -37,56 +36,15 @@ import torch.fx as fx
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 
+from torch_patches import _compile_facts
+from torch_patches._hook_scopes import SCOPE_KEY
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._hook_identity import hook_identity
 
 
 log = logging.getLogger(__name__)
 
-#: ``node.meta["custom"]`` key naming the in-graph hooks scope a node was created in.
-SCOPE_KEY = "torch_patches_saved_tensors_hooks"
-
-NO_SCOPE: Any = object()
-
-# scope key -> HookPair. The OutputGraph that traced a scope holds the pair until the
-# compilation (and so the inliner, which runs inside it) is done.
-_scopes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _GB_TYPE = "torch_patches: untraceable saved tensors hook"
-
-
-def _key(node: fx.Node) -> str | None:
-    return (node.meta.get("custom") or {}).get(SCOPE_KEY)
-
-
-def scope_of(saved: fx.Node, bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> Any:
-    """The in-graph hooks (a ``HookPair``) a saved tensor takes, or ``NO_SCOPE``.
-
-    Eager packs a saved tensor with the hooks active when the op that *saved* it ran. In
-    the AOT backward, the nodes that read a saved tensor are that op's gradient formula
-    (or, for a tensor the partitioner chose to save, the recomputation that reads it),
-    and they carry the forward op's ``custom`` metadata: their scopes are the scopes of
-    the ops that saved the tensor. When ops in different scopes saved the same tensor
-    (eager packs it once per op), the compiled graph saves it once, with the hooks of
-    the scope it was computed in if an op there saved it, else with those of the op
-    whose backward reads it first. A tensor no backward node reads is not hooked.
-    """
-    readers = [u for u in (bw_input.users if bw_input is not None else ()) if u.op != "output"]
-    if not readers:
-        return NO_SCOPE
-    keys = {_key(r) for r in readers}
-    key = _key(saved)
-    if key not in keys:
-        key = _key(min(readers, key=bw_order.__getitem__))
-    if key is None:
-        return NO_SCOPE
-    pair = _scopes.get(key)
-    if pair is None:
-        raise AssertionError(
-            f"saved tensor {saved.name!r} was traced in saved tensors hooks scope {key!r}, "
-            "which is no longer registered (compiled outside the Dynamo compilation that "
-            "traced it?)"
-        )
-    return pair
 
 
 # ------------------------------------------------------------------ hook resolution
@@ -232,7 +190,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                 _content_guard(source, fn)
 
         key = _register_scope(tx, pair)
-        return SavedTensorsHooksVariable(_scopes[key], key)
+        return SavedTensorsHooksVariable(_compile_facts.facts(tx.output.tracing_context).scopes[key], key)
 
     def enter(self, tx: Any, *args: VariableTracker) -> VariableTracker:
         from torch._dynamo import variables
@@ -328,7 +286,7 @@ def _register_scope(tx: Any, pair: Any) -> str:
     else:
         key = "scope-" + digest
     output = tx.output
-    installed: dict[str, Any] = output.__dict__.setdefault("_torch_patches_scopes", {})
+    installed = _compile_facts.facts(output.tracing_context).scopes  # for the inliner
     if key not in installed:
         graph = fx.Graph()
         graph.output(graph.call_function(_scope_stand_in, (key,)))
@@ -341,5 +299,4 @@ def _register_scope(tx: Any, pair: Any) -> str:
             output.saved_tensors_hooks_subgraph_names = names = []
         names.append(name)
         installed[key] = graph_compile.HookPair(pair.pack, pair.unpack, name)
-        _scopes[key] = installed[key]
     return key

@@ -27,15 +27,12 @@ def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def save(key: str, entry: Any, remote: bool) -> None:
-        if graph_compile.take_fell_back():
+        reasons = graph_compile.not_cacheable_reasons()
+        if reasons:
             from torch._dynamo.utils import counters
 
             counters["aot_autograd"]["autograd_cache_bypass"] += 1
-            log.info(
-                "not saving AOTAutogradCache entry %s: its saved tensors hooks could not be "
-                "inlined and run as eager hooks",
-                key,
-            )
+            log.info("not saving AOTAutogradCache entry %s: %s", key, "; ".join(reasons))
             return None
         return original(key, entry, remote)
 

@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx, py_sym_types
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torch_patches import _logging as tp_logging, config
+from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
@@ -86,21 +86,13 @@ class HookPair:
 
 # --------------------------------------------------------------- compile decisions
 
-_decision = threading.local()
-_fallback_lock = threading.Lock()
-_fallback_ids: set[Any] = set()  # compile ids not to cache (hooks fell back to eager, ...)
-
-
 def _record_decision(inlined: bool) -> None:
     # Read by the runtime-wrapper patch of the same compilation, so a graph whose hooks
     # fell back to eager keeps them enabled at runtime.
-    _decision.value = (hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()), inlined)
-
-
-def _compile_id() -> Any:
-    from torch._guards import CompileContext
-
-    return CompileContext.current_compile_id()
+    found = _compile_facts.facts()
+    if found is not None:
+        key = hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks())
+        found.hooks_inlined = (key, inlined)
 
 
 _warned: set[Any] = set()
@@ -132,36 +124,34 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
     )
 
 
-def mark_not_cacheable(reason: str) -> None:
-    """The compilation in progress must not be saved to AOTAutogradCache."""
-    log.info("not cacheable: %s", reason)
-    with _fallback_lock:
-        _fallback_ids.add(_compile_id())
+def mark_not_cacheable(reason: str) -> bool:
+    """The compilation in progress must not be saved to AOTAutogradCache.
 
-
-def take_fell_back() -> bool:
-    """Whether the compilation in progress (by Dynamo compile id) fell back to eager hooks.
-
-    Read by the AOTAutogradCache save patch: such a graph must not be cached, since a later
-    hit could not tell it apart from one whose hooks were inlined. Keyed by compile id, not
-    thread: the entry is saved at the first backward (lazy backward compile), which may run
-    on autograd's device thread, under the forward's restored compile context.
+    Recorded on the compilation's facts (read by the AOTAutogradCache save patch, also when
+    the entry is saved at the first backward on autograd's thread, under the restored
+    context). False when there is no compilation context to carry it.
     """
-    with _fallback_lock:
-        try:
-            _fallback_ids.remove(_compile_id())
-        except KeyError:
-            return False
+    found = _compile_facts.facts()
+    if found is None:
+        return False
+    log.info("not cacheable: %s", reason)
+    found.not_cacheable.append(reason)
     return True
 
 
-def take_decision() -> bool | None:
-    """Whether the last compilation in this thread inlined the ambient hooks."""
-    value = getattr(_decision, "value", None)
-    _decision.value = None
-    if value is None:
+def not_cacheable_reasons() -> list[str]:
+    """Why the compilation in progress must not be saved to AOTAutogradCache (empty: it may)."""
+    found = _compile_facts.facts()
+    return list(found.not_cacheable) if found is not None else []
+
+
+def inlined_decision() -> bool | None:
+    """Whether the compilation in progress inlined the ambient hooks (None: it did not try,
+    e.g. a cache hit, or the ambient hooks changed since)."""
+    found = _compile_facts.facts()
+    if found is None or found.hooks_inlined is None:
         return None
-    key, inlined = value
+    key, inlined = found.hooks_inlined
     if key != hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()):
         return None
     return inlined
@@ -189,10 +179,8 @@ def hooks_for_saved(
     recorded on nodes by the Dynamo patch (see ``scope_of`` for the rule); a saved tensor
     outside every in-graph scope takes the hooks active around the compiled call.
     """
-    from torch_patches._dynamo.variables import ctx_manager as scopes
-
-    scope = scopes.scope_of(saved, bw_input, bw_order)
-    if scope is scopes.NO_SCOPE:
+    scope = _hook_scopes.scope_of(saved, bw_input, bw_order)
+    if scope is _hook_scopes.NO_SCOPE:
         return ambient
     return scope
 
@@ -724,7 +712,9 @@ def maybe_inline_graph_saved_tensors_hooks(
 ) -> None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return
-    _decision.value = None
+    found = _compile_facts.facts()
+    if found is not None:
+        found.hooks_inlined = None
     ambient = _ambient_pair()
     try:
         _inline(
@@ -743,6 +733,9 @@ def maybe_inline_graph_saved_tensors_hooks(
             or in_graph_scope  # trial-traced when entered; no eager hooks to fall back to
             or _dynamo_fullgraph()
             or config.untraceable_hook == "error"
+            # No compilation context (AOTAutograd without Dynamo) to tell the runtime
+            # wrapper that the hooks stay eager: raise rather than run without them.
+            or _compile_facts.facts() is None
         ):
             raise
         warn_untraceable_once(

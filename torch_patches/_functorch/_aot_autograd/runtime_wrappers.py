@@ -124,14 +124,14 @@ def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] 
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
     hooks = hook_utils.top_saved_tensors_hooks()
-    inlined = graph_compile.take_decision()
+    inlined = graph_compile.inlined_decision()
     if hooks is None:
         # Compiled without hooks: its guard also admits Python hooks (they do not change
         # the graph), which then run under the contract.
         return python_hooks_contract
     if inlined is None:
-        # No inlining attempt in this thread (a cache hit): keyable inlineable hooks were
-        # inlined, since graphs whose hooks fell back to eager are never cached.
+        # No inlining attempt in this compilation (a cache hit): keyable inlineable hooks
+        # were inlined, since graphs whose hooks fell back to eager are never cached.
         inlined = hook_utils.hooks_guard_key(hooks) is not None
     if inlined:
         from torch._functorch._aot_autograd import runtime_wrappers
