@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Everything issue 7 needs from a GPU session, in one device call (see ../CONTRIBUTING.md):
+# Everything the CUDA path needs checked on a GPU machine, in one command (see ../CONTRIBUTING.md):
 #
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"])
+#   bash benchmarks/gpu_check.sh     # from the repository root, on a machine with CUDA
 #
+# (On a machine without internet, put an expecttest wheel under .whl/ first.)
 # 1. the CUDA variants of the offload, numerics and placement suites;
 # 2. the offload benchmark on inductor (mlp8 and the transformer block, all offload rows)
 #    at the default GPU sizes, side by side in one invocation.

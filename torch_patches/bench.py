@@ -90,8 +90,7 @@ def build_model(case: Case) -> Any:
     d = case.dim
 
     class Block(torch.nn.Module):
-        # A thin MLP block whose saved activations dominate memory (as in
-        # shared/probes/gpu_peakmem.py).
+        # A thin MLP block whose saved activations dominate memory.
         def __init__(self) -> None:
             super().__init__()
             self.up = torch.nn.Linear(d, 2 * d, bias=False)
