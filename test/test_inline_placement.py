@@ -17,11 +17,13 @@ from torch._dynamo.test_case import run_tests
 
 import torch_patches.config as tp_config
 from common_hooks import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
+from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
     TORCH_VERSION,
     TestCase,
+    hook_nodes,
     instantiate_device_type_tests,
 )
 
@@ -718,7 +720,105 @@ class GraphModule(torch.nn.Module):
         return (add_4, mm_4, mm_2)""")
 
 
+class TestStructuredTrace(TestCase):
+    def test_tlparse_artifact_has_graphs_before_and_after(self, device):
+        # As upstream's inliner: one structured-trace artifact with the four graphs.
+        import logging
+
+        from torch._logging._internal import trace_log
+
+        records = []
+
+        class Capture(logging.Handler):
+            def emit(self, record):
+                records.append(record)
+
+        handler = Capture()
+        trace_log.addHandler(handler)
+        level = trace_log.level
+        trace_log.setLevel(logging.DEBUG)
+        try:
+            x = torch.randn(4, 8, device=device, requires_grad=True)
+            w = torch.randn(8, 8, device=device, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(*BF16):
+                torch.compile(lambda x, w: (x @ w).sin() @ w, backend="aot_eager")(x, w).sum().backward()
+        finally:
+            trace_log.removeHandler(handler)
+            trace_log.setLevel(level)
+        ours = [
+            r for r in records
+            if (getattr(r, "metadata", {}).get("artifact") or {}).get("name") == "aot_saved_tensors_hooks_graphs"
+        ]
+        self.assertEqual(len(ours), 1)
+        payload = ours[0].payload
+        for prefix in ("forward_graph_pre", "backward_graph_pre", "forward_graph_post", "backward_graph_post"):
+            self.assertIn(f"aot_{prefix}_saved_tensors_hooks:", payload)
+        self.assertIn("torch.bfloat16", payload.split("aot_forward_graph_post_saved_tensors_hooks:")[1])
+
+
+def bf16_pack_fn(x):
+    return x.to(torch.bfloat16)
+
+
+def bf16_unpack_fn(x):
+    return x.to(torch.float32)
+
+
+def context_reading_pack(x):
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    _get_saved_tensor_hook_context()["_node"]  # depends on which saved tensor this is
+    return x.to(torch.bfloat16)
+
+
+class TestTraceReuse(TestCase):
+    """A hook is traced once per saved-tensor metadata, not once per saved tensor."""
+
+    def count_traces(self, device, pack, unpack):
+        """How many times compiling called ``pack`` (once per trace; inlined hooks are not
+        called at run time), and the saved tensors hooked. Observed from outside (a
+        profile function), so it holds for the upstream form too."""
+        import sys
+
+        calls = []
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code is pack.__code__:
+                calls.append(frame.f_code.co_name)
+
+        blocks = [torch.randn(16, 16, device=device, requires_grad=True) for _ in range(4)]
+
+        def f(x, *ws):
+            for w in ws:
+                x = (x @ w).sin()
+            return x
+
+        x = torch.randn(8, 16, device=device, requires_grad=True)
+        rec = AotEagerAndRecordGraphs()
+        with torch.autograd.graph.saved_tensors_hooks(*inlineable(pack, unpack)):
+            sys.setprofile(profile)
+            try:
+                out = torch.compile(f, backend=rec)(x, *blocks)
+            finally:
+                sys.setprofile(None)
+            out.sum().backward()
+        hooked = {m["saved"] for m in hook_nodes(rec.fw_graphs[0]).values()}
+        return len(calls), hooked
+
+    def test_same_shapes_trace_once(self, device):
+        traces, hooked = self.count_traces(device, bf16_pack_fn, bf16_unpack_fn)
+        self.assertGreaterEqual(len(hooked), 4)
+        self.assertGreater(traces, 0)
+        self.assertLess(traces, len(hooked))
+
+    def test_hook_reading_its_context_traces_per_saved_tensor(self, device):
+        traces, hooked = self.count_traces(device, context_reading_pack, bf16_unpack_fn)
+        self.assertGreaterEqual(traces, len(hooked))
+
+
 instantiate_device_type_tests(TestInlinePlacement, globals())
+instantiate_device_type_tests(TestStructuredTrace, globals())
+instantiate_device_type_tests(TestTraceReuse, globals())
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
     def create(tx: Any, args: list[VariableTracker], kwargs: dict[str, VariableTracker]) -> VariableTracker:
         from torch._dynamo.exc import unimplemented
 
-        from torch_patches._functorch._aot_autograd import graph_compile
+        from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
         try:
             bound = inspect.signature(torch.autograd.graph.saved_tensors_hooks.__init__).bind(
@@ -170,10 +170,10 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
             hooks.append((value, source, guard_here))
         (pack, pack_src, pack_guard), (unpack, unpack_src, unpack_guard) = hooks
 
-        pair = graph_compile.HookPair(pack, unpack, "scope")
-        error = graph_compile.trial_trace(pair)
+        pair = hook_tracing.HookPair(pack, unpack, "scope")
+        error = hook_tracing.trial_trace(pair)
         if error is not None:
-            if not graph_compile._dynamo_fullgraph():
+            if not hook_tracing.dynamo_fullgraph():
                 graph_compile.warn_untraceable_once(
                     error,
                     "The saved_tensors_hooks block runs as eager code with eager hooks (a graph break)",
@@ -274,7 +274,7 @@ def _scope_stand_in(key: str) -> None:
 
 def _register_scope(tx: Any, pair: Any) -> str:
     """Register ``pair`` for the inliner; install its cache-key stand-in on the graph."""
-    from torch_patches._functorch._aot_autograd import graph_compile
+    from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
     digest, reasons = hook_utils.hooks_cache_key(pair.pack, pair.unpack)
     if digest is None:
@@ -298,5 +298,5 @@ def _register_scope(tx: Any, pair: Any) -> str:
         if names is None:
             output.saved_tensors_hooks_subgraph_names = names = []
         names.append(name)
-        installed[key] = graph_compile.HookPair(pair.pack, pair.unpack, name)
+        installed[key] = hook_tracing.HookPair(pair.pack, pair.unpack, name)
     return key
