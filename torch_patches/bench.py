@@ -435,7 +435,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':12s} {'backend':9s} {'hook':23s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} "
-        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s} {'kept MiB':>8s}"
+        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s} {'kept MiB':>8s} {'compile s':>9s}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -452,7 +452,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{r['peak_bytes'] / 2**20:9.1f} {r.get('peak_ratio', float('nan')):7.2f} "
             f"{r['step_s'] * 1e3:9.1f} {r.get('time_ratio', float('nan')):7.2f} "
             f"{r.get('time_ratio_min', float('nan')):7.2f} {r['frames_compiled']:6d} "
-            f"{'-' if r.get('kept_bytes') is None else format(r['kept_bytes'] / 2**20, '8.2f'):>8s}"
+            f"{'-' if r.get('kept_bytes') is None else format(r['kept_bytes'] / 2**20, '8.2f'):>8s} "
+            f"{r.get('compile_s', float('nan')):9.2f}"
         )
     return "\n".join(lines)
 
