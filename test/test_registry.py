@@ -44,6 +44,17 @@ def _snapshot_torch():
     return snap
 
 
+_UNDONE: list[str] = []
+
+
+def _ok_effect():
+    return lambda: _UNDONE.append("test.ok")
+
+
+def _bad_effect():
+    raise RuntimeError("effect failed")
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class TestRecords(TestCase):
@@ -151,6 +162,47 @@ class TestApplyUnapply(TestCase):
                 torch_patches.apply()
         finally:
             torch_patches.unapply()
+        for p in PATCHES:
+            self.assertIs(_raw(p), originals[p.name], p.name)
+
+    def test_global_effects_are_registry_records(self):
+        from torch._inductor import lowering as inductor_lowering
+
+        from torch_patches._patches import EFFECTS
+
+        names = [e.name for e in EFFECTS]
+        self.assertEqual(len(names), len(set(names)))
+        for e in EFFECTS:
+            self.assertTrue(e.summary and e.install, e.name)
+        torch_patches.apply()
+        try:
+            self.assertEqual(torch_patches.installed_effects(), names)
+            op = torch.ops.torch_patches.offload.default
+            self.assertIn(op, inductor_lowering.lowerings)
+        finally:
+            torch_patches.unapply()
+        self.assertEqual(torch_patches.installed_effects(), [])
+        self.assertNotIn(op, inductor_lowering.lowerings)  # undone
+        torch_patches.apply(offload=False)
+        try:
+            self.assertNotIn("inductor.offload_lowering", torch_patches.installed_effects())
+            self.assertNotIn(op, inductor_lowering.lowerings)
+        finally:
+            torch_patches.unapply()
+
+    def test_effect_failure_rolls_back_everything(self):
+        from torch_patches._patches import EFFECTS
+
+        originals = {p.name: _raw(p) for p in PATCHES}
+        ok = _registry.Effect(name="test.ok", install="test_registry:_ok_effect", summary="ok")
+        bad = _registry.Effect(name="test.bad", install="test_registry:_bad_effect", summary="bad")
+        _UNDONE[:] = []
+        with mock.patch.object(_registry, "_registered_effects", return_value=(*EFFECTS, ok, bad)):
+            with self.assertRaisesRegex(RuntimeError, "effect failed"):
+                torch_patches.apply()
+        self.assertEqual(_UNDONE, ["test.ok"])
+        self.assertFalse(torch_patches.is_applied())
+        self.assertEqual(torch_patches.installed_effects(), [])
         for p in PATCHES:
             self.assertIs(_raw(p), originals[p.name], p.name)
 

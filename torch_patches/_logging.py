@@ -8,7 +8,8 @@
   backward graphs after inlining.  Artifact loggers live under the upstream module a
   patch stands in for, as upstream code would log.
 
-The artifact is registered by :func:`torch_patches.apply`, never at import time.
+The artifact is registered by :func:`torch_patches.apply` (the registry effect
+``logging.torch_patches_artifact``), never at import time.
 """
 
 from __future__ import annotations
@@ -46,3 +47,9 @@ def artifact_logger(module_qname: str) -> logging.Logger:
 
     register()
     return torch._logging.getArtifactLogger(module_qname, ARTIFACT)
+
+
+def install_artifact() -> None:
+    """Registry effect ``logging.torch_patches_artifact``: :func:`register`. Cannot be undone
+    (torch._logging has no unregister); once unapplied nothing logs to it."""
+    register()

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from torch_patches._registry import Patch
+from torch_patches._registry import Effect, Patch
 
 
 _FINGERPRINTS_FILE = os.path.join(os.path.dirname(__file__), "fingerprints.json")
@@ -179,6 +179,31 @@ PATCHES: tuple[Patch, ...] = (
         after=("inductor.free_without_reuse",),
         issue=7,
         tests=("test/test_offload.py",),
+        area="offload",
+    ),
+)
+
+
+#: Global effects of ``apply()`` that are not attribute replacements, installed after the
+#: patches (in this order) and undone by ``unapply()`` where torch allows it.
+EFFECTS: tuple[Effect, ...] = (
+    Effect(
+        name="logging.torch_patches_artifact",
+        install=f"{_TP}_logging:install_artifact",
+        summary="register the torch_patches logging artifact (TORCH_LOGS=torch_patches)",
+        inert="torch._logging cannot unregister an artifact; once unapplied nothing logs to it",
+    ),
+    Effect(
+        name="aot.side_effect_probe",
+        install=f"{_TP}_functorch._aot_autograd.hook_tracing:install_side_effect_probe",
+        summary="a Python audit hook recording the I/O a hook attempts while it is traced",
+        inert="audit hooks cannot be removed (PEP 578); it records only in a thread tracing a hook",
+    ),
+    Effect(
+        name="inductor.offload_lowering",
+        install=f"{_TP}hooks.offload:install_inductor_lowering",
+        summary="Inductor lowering of torch_patches::offload that frees, never reuses, the buffer it copies "
+        "(importing torch_patches.hooks.offload registers the torch_patches custom ops)",
         area="offload",
     ),
 )

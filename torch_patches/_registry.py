@@ -29,7 +29,7 @@ import sys
 import textwrap
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -108,6 +108,28 @@ class Patch:
 
     def in_band(self, version: tuple[int, int]) -> bool:
         return self.torch_min <= version <= self.torch_max
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """A global effect of :func:`apply` that is not an attribute replacement (a logging
+    artifact, an Inductor lowering, an audit hook).
+
+    Attributes:
+        name: ``area.what``, as patch names.
+        install: ``"module:function"`` called by :func:`apply` after every patch is in
+            place; it returns a callable that undoes the effect, or None when the effect
+            cannot be undone and is inert once unapplied (``inert`` says why).
+        summary: what it does, one line.
+        inert: for an effect that stays after :func:`unapply`: why it then does nothing.
+        area: as :attr:`Patch.area`.
+    """
+
+    name: str
+    install: str
+    summary: str
+    inert: str = ""
+    area: str = "core"
 
 
 @dataclasses.dataclass
@@ -362,6 +384,40 @@ def _registered() -> tuple[Patch, ...]:
     return PATCHES
 
 
+def _registered_effects() -> tuple[Effect, ...]:
+    from torch_patches._patches import EFFECTS
+
+    return EFFECTS
+
+
+#: Undo callables of the effects :func:`apply` installed, in install order (None: inert).
+_EFFECTS: list[tuple[Effect, Callable[[], None] | None]] = []
+
+
+def _install_effects(effects: Iterable[Effect]) -> None:
+    """Install ``effects`` in order, all or none (undoing the installed ones on failure)."""
+    done: list[tuple[Effect, Callable[[], None] | None]] = []
+    try:
+        for effect in effects:
+            done.append((effect, _load(effect.install)()))
+    except BaseException:
+        _undo_effects(done)
+        raise
+    _EFFECTS.extend(done)
+
+
+def _undo_effects(done: list[tuple[Effect, Callable[[], None] | None]]) -> None:
+    for _, undo in reversed(done):
+        if undo is not None:
+            undo()
+    done.clear()
+
+
+def installed_effects() -> list[str]:
+    """Names of the global effects :func:`apply` installed (empty when not applied)."""
+    return [e.name for e, _ in _EFFECTS]
+
+
 def _is_torch_definition(raw: Any, target: str) -> bool:
     """Whether ``raw`` is the function torch's module defines at ``target``.
 
@@ -507,6 +563,8 @@ def apply(*, offload: bool = True) -> None:
             for plan in plans:
                 plan.install()
                 done.append(plan)
+            areas = {"offload": offload}
+            _install_effects(e for e in _registered_effects() if e.area == "core" or areas.get(e.area, True))
         except BaseException:
             for plan in reversed(done):
                 plan.uninstall()
@@ -514,9 +572,6 @@ def apply(*, offload: bool = True) -> None:
         _INSTALLED.extend(done)
         for plan in done:
             _ORIGINALS[plan.patch.name] = plan.original
-        from torch_patches import _logging
-
-        _logging.register()
         log.info(
             "applied %d patches on torch %s: %s",
             len(done),
@@ -555,6 +610,7 @@ def unapply() -> None:
                     "undo that patch first"
                 )
             raise UnapplyError("\n".join(lines))
+        _undo_effects(_EFFECTS)
         # Modules imported after apply() may have copied a replacement.
         late = _scan_aliases(p.replacement for p in _INSTALLED)
         for plan in reversed(_INSTALLED):

@@ -78,6 +78,7 @@ import dataclasses
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -237,39 +238,42 @@ def _reload_wait_fake(
 
 # ----------------------------------------------------------------------- Inductor
 
-_lowering_lock = threading.Lock()
-_lowering_registered = False
+def install_inductor_lowering() -> Callable[[], None]:
+    """Make Inductor free the buffer ``offload`` reads without ever reusing it; returns the
+    undo.
 
-
-def register_inductor_lowering() -> None:
-    """Make Inductor free the buffer ``offload`` reads without ever reusing it.
-
-    Idempotent.  The lowering is Inductor's ordinary fallback kernel for the op; every
-    buffer the kernel reads is registered with
+    A registry effect (``inductor.offload_lowering``, area ``offload``): installed by
+    ``torch_patches.apply()``, removed by ``unapply()``.  The lowering is Inductor's
+    ordinary fallback kernel for the op; every buffer the kernel reads is registered with
     ``torch_patches._inductor.codegen.wrapper.free_without_reuse`` (the patch
     ``inductor.free_without_reuse``; see the module docstring: the device-to-host copy
-    still reads it after the op returns).
+    still reads it after the op returns).  Without ``apply()`` the hooks are Python hooks
+    and the op runs eagerly: no lowering is needed.
     """
-    global _lowering_registered
-    with _lowering_lock:
-        if _lowering_registered:
-            return
-        from torch._inductor import lowering as inductor_lowering
+    from torch._inductor import lowering as inductor_lowering
 
-        op = torch.ops.torch_patches.offload.default
-        if op not in inductor_lowering.lowerings:
-            fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
+    op = torch.ops.torch_patches.offload.default
+    previous = inductor_lowering.lowerings.get(op)
+    fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
 
-            def _lower_offload(src: Any, pin_memory: bool) -> Any:
-                from torch_patches._inductor.codegen.wrapper import free_without_reuse
+    def _lower_offload(src: Any, pin_memory: bool) -> Any:
+        from torch_patches._inductor.codegen.wrapper import free_without_reuse
 
-                out = fallback(src, pin_memory)
-                for name in _read_buffer_names(out, src):
-                    free_without_reuse(name)
-                return out
+        out = fallback(src, pin_memory)
+        for name in _read_buffer_names(out, src):
+            free_without_reuse(name)
+        return out
 
-            inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
-        _lowering_registered = True
+    ours = inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
+
+    def undo() -> None:
+        if inductor_lowering.lowerings.get(op) is ours:
+            if previous is None:
+                del inductor_lowering.lowerings[op]
+            else:
+                inductor_lowering.lowerings[op] = previous
+
+    return undo
 
 
 def _read_buffer_names(out: Any, src: Any) -> list[str]:
@@ -358,5 +362,4 @@ def cpu_offload(pin_memory: bool = True) -> tuple[Any, Any]:
             "buffer while its copy still reads it): torch_patches.apply() was called with "
             "offload=False; unapply() and apply() without it"
         )
-    register_inductor_lowering()
     return inlineable(_offload_pack(bool(pin_memory)), cpu_offload_unpack)

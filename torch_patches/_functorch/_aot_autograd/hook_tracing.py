@@ -363,9 +363,10 @@ class _SideEffectProbe:
 
     Prints are found before tracing, in the hook's code (``_hook_identity``: a hook that
     reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
-    Audit hooks cannot be removed (PEP 578): ours is added once, at the first trace of a
-    plain-function hook, and records only in the thread that is tracing, while it traces;
-    at any other time, and after ``torch_patches.unapply()``, it returns at once.
+    The audit hook is a registry effect (``aot.side_effect_probe``), added by the first
+    ``torch_patches.apply()``.  Audit hooks cannot be removed (PEP 578): ours records only in
+    the thread that is tracing a hook, while it traces; at any other time, and after
+    ``torch_patches.unapply()``, it returns at once.
     """
 
     _installed = False
@@ -375,6 +376,7 @@ class _SideEffectProbe:
 
     @classmethod
     def install(cls) -> None:
+        """Add the audit hook (once per process); the registry calls it from ``apply()``."""
         with cls._lock:
             if not cls._installed:
                 import sys
@@ -400,7 +402,11 @@ def _no_side_effects(fn: Any) -> Iterator[list[str]]:
     if isinstance(fn, torch.fx.GraphModule):
         yield records
         return
-    _SideEffectProbe.install()
+    if not _SideEffectProbe._installed:
+        # apply() installs it (registry effect aot.side_effect_probe) before any trace can
+        # happen; only this code's upstream form, where torch itself holds the inliner and
+        # nothing calls apply(), gets here: it installs the probe at its first trace.
+        _SideEffectProbe.install()
     _SideEffectProbe._active.records = records
     try:
         yield records
@@ -453,3 +459,9 @@ def check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) 
     if out.device != val.device:
         raise mismatch("device", val.device, out.device)
     return not _same_strides(out, val)
+
+
+def install_side_effect_probe() -> None:
+    """Registry effect ``aot.side_effect_probe``: add the audit hook. Cannot be undone
+    (PEP 578); inert outside a hook trace (see :class:`_SideEffectProbe`)."""
+    _SideEffectProbe.install()
