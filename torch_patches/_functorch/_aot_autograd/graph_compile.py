@@ -332,19 +332,7 @@ def _inline(
             pack, unpack = traces[key]
         else:
             context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
-            pack = hook_tracing.trace_hook(
-                pair.pack, val, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context
-            )
-            unpack = hook_tracing.trace_hook(
-                pair.unpack,
-                pack.out_vals,
-                aot_config=aot_config,
-                role="unpack",
-                pair=pair,
-                saved=saved,
-                context=context,
-                layout=pack.layout,
-            )
+            pack, unpack = hook_tracing.trace_pair(pair, val, aot_config=aot_config, saved=saved, context=context)
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
         if pack.layout is not None:

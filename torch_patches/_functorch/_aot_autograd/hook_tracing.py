@@ -284,6 +284,29 @@ def trace_hook(
     return Traced(gm, out_args, out_vals, flattened[0])
 
 
+def trace_pair(
+    pair: HookPair,
+    example: Any,
+    *,
+    aot_config: Any,
+    saved: fx.Node | None,
+    context: HookContext | None = None,
+) -> tuple[Traced, Traced]:
+    """Trace ``pair.pack`` on ``example`` and ``pair.unpack`` on what pack returns."""
+    pack = trace_hook(pair.pack, example, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context)
+    unpack = trace_hook(
+        pair.unpack,
+        pack.out_vals,
+        aot_config=aot_config,
+        role="unpack",
+        pair=pair,
+        saved=saved,
+        context=context,
+        layout=pack.layout,
+    )
+    return pack, unpack
+
+
 @contextlib.contextmanager
 def _captured_tensors_as_constants(flat: list[Any]) -> Iterator[None]:
     """Let the hook use real tensors it captured (a scale, a buffer, a parameter).
@@ -329,16 +352,7 @@ def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
         check_keyable(pair)
         if sel is not None:  # traced as the inliner traces it: the inner hooks
             pair = HookPair(sel[0], sel[1], pair.label)
-        packed = trace_hook(pair.pack, example, aot_config=None, role="pack", pair=pair, saved=None)
-        trace_hook(
-            pair.unpack,
-            packed.out_vals,
-            aot_config=None,
-            role="unpack",
-            pair=pair,
-            saved=None,
-            layout=packed.layout,
-        )
+        trace_pair(pair, example, aot_config=None, saved=None)
     except SavedTensorsHookError as e:
         return e
     return None
