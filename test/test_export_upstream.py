@@ -16,6 +16,8 @@ import sys
 import tempfile
 import unittest
 
+import pytest
+
 import torch_patches._patches as patches_module
 from tools.export_upstream import (
     apply_to_overlay,
@@ -144,6 +146,7 @@ class TestExport(unittest.TestCase):
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
 class TestUpstreamEquivalence(unittest.TestCase):
+    @pytest.mark.slow  # a pytest run of several suites in a subprocess (30 s)
     def test_upstream_form_passes_the_goldens(self):
         _, results = exported()
         with tempfile.TemporaryDirectory(prefix="tp-upstream-") as tmp:
