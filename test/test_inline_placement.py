@@ -21,7 +21,6 @@ from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
-    TORCH_VERSION,
     TestCase,
     hook_nodes,
     instantiate_device_type_tests,
@@ -43,60 +42,31 @@ class TestInlinePlacement(TestCase):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         w = torch.randn(16, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x, w: F.linear(x, w).relu().sin(), x, w)
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[4, 8]"):
-        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_2, t)
+    def forward(self, primals_w: "f32[16, 8]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_w);  primals_w = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_x, t)
         relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
         sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
         relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
         t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (sin, primals_2, relu_packed, t_3)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        return (sin, primals_x, relu_packed, t_3)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]"):
-        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, t)
-        relu: "f32[4, 16]" = torch.ops.aten.relu.default(mm);  mm = None
-        sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
-        relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
-        t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (sin, primals_1, relu_packed, t_3)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_2: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
+    def forward(self, primals_x: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
         relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
         cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked)
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
         detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
         detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
         threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
-        t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
-        mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_2);  t_1 = primals_2 = None
-        t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
-        t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
-        return (t_4, mm_2)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
-        relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
-        cos: "f32[4, 16]" = torch.ops.aten.cos.default(relu_unpacked)
-        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(tangents_1, cos);  tangents_1 = cos = None
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
-        threshold_backward: "f32[4, 16]" = torch.ops.aten.threshold_backward.default(mul, detach_1, 0);  mul = detach_1 = None
-        t_1: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
-        mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
-        t_2: "f32[8, 16]" = torch.ops.aten.t.default(mm_1);  mm_1 = None
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
-        t_4: "f32[16, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
-        return (mm_2, t_4)""")
+        t: "f32[16, 4]" = torch.ops.aten.t.default(threshold_backward)
+        mm: "f32[16, 8]" = torch.ops.aten.mm.default(t, primals_x);  t = primals_x = None
+        t_1: "f32[8, 16]" = torch.ops.aten.t.default(mm);  mm = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
+        t_2: "f32[16, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        return (t_2, mm_1)""")
 
     def test_mlp_block(self, device):
         def block(x, w1, w2):
@@ -108,96 +78,49 @@ class GraphModule(torch.nn.Module):
         w1 = torch.randn(16, 8, device=device, requires_grad=True)
         w2 = torch.randn(8, 16, device=device, requires_grad=True)
         rec = self.compile_step(block, x, w1, w2)
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[8, 16]", primals_3: "f32[4, 8]"):
-        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_3, t)
+    def forward(self, primals_w1: "f32[16, 8]", primals_w2: "f32[8, 16]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_x, t)
         gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
         sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
         mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid);  gelu = None
         sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
-        t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_w2);  primals_w2 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
         mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
-        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, mm_1);  mm_1 = None
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_x, mm_1);  mm_1 = None
         t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
         t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add, primals_3, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        return (add, primals_x, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]", primals_3: "f32[8, 16]"):
-        t: "f32[8, 16]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, t)
-        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm)
-        sigmoid: "f32[4, 16]" = torch.ops.aten.sigmoid.default(mm)
-        mm_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mm, dtype = torch.bfloat16);  mm = None  # pack(mm)
-        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(gelu, sigmoid);  gelu = None
-        sigmoid_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(sigmoid, dtype = torch.bfloat16);  sigmoid = None  # pack(sigmoid)
-        t_1: "f32[16, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
-        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul, t_1)
-        mul_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None  # pack(mul)
-        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, mm_1);  mm_1 = None
-        t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
-        t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add, primals_1, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
-        t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
+    def forward(self, primals_x: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        t: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
         mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
-        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
-        t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
-        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
-        t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
+        mm: "f32[8, 16]" = torch.ops.aten.mm.default(t, mul_unpacked);  t = mul_unpacked = None
+        t_1: "f32[16, 8]" = torch.ops.aten.t.default(mm);  mm = None
+        mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
+        t_2: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
         mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
         gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm_unpacked)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu);  gelu = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_1, gelu);  gelu = None
         sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
-        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = None
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_1, sigmoid_unpacked);  mm_1 = None
         detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid_unpacked);  sigmoid_unpacked = None
         detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
-        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
-        gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
-        add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
-        t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
-        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
-        t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
-        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
-        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
-        t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
-        return (t_9, t_5, add_2)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
-        t_2: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
-        mul_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mul_packed, dtype = torch.float32);  mul_packed = None  # unpack(mul)
-        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(t_2, mul_unpacked);  t_2 = mul_unpacked = None
-        t_3: "f32[16, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
-        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, t_4);  t_4 = None
-        t_5: "f32[8, 16]" = torch.ops.aten.t.default(t_3);  t_3 = None
-        mm_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(mm_packed, dtype = torch.float32);  mm_packed = None  # unpack(mm)
-        gelu: "f32[4, 16]" = torch.ops.aten.gelu.default(mm_unpacked)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, gelu);  gelu = None
-        sigmoid_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(sigmoid_packed, dtype = torch.float32);  sigmoid_packed = None  # unpack(sigmoid)
-        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, sigmoid_unpacked);  mm_3 = None
-        detach: "f32[4, 16]" = torch.ops.aten.detach.default(sigmoid_unpacked);  sigmoid_unpacked = None
-        detach_1: "f32[4, 16]" = torch.ops.aten.detach.default(detach);  detach = None
-        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul_1, detach_1);  mul_1 = detach_1 = None
-        gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_2, mm_unpacked);  mul_2 = mm_unpacked = None
-        add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
-        t_6: "f32[16, 4]" = torch.ops.aten.t.default(add_1)
-        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(t_6, primals_1);  t_6 = primals_1 = None
-        t_7: "f32[8, 16]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
-        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_8);  add_1 = t_8 = None
-        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
-        t_9: "f32[16, 8]" = torch.ops.aten.t.default(t_7);  t_7 = None
-        return (add_2, t_9, t_5)""")
+        sigmoid_backward: "f32[4, 16]" = torch.ops.aten.sigmoid_backward.default(mul, detach_1);  mul = detach_1 = None
+        gelu_backward: "f32[4, 16]" = torch.ops.aten.gelu_backward.default(mul_1, mm_unpacked);  mul_1 = mm_unpacked = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(sigmoid_backward, gelu_backward);  sigmoid_backward = gelu_backward = None
+        t_3: "f32[16, 4]" = torch.ops.aten.t.default(add)
+        mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(t_3, primals_x);  t_3 = primals_x = None
+        t_5: "f32[8, 16]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
+        mm_3: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_8);  add = t_8 = None
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_3);  tangents_1 = mm_3 = None
+        t_6: "f32[16, 8]" = torch.ops.aten.t.default(t_5);  t_5 = None
+        return (t_6, t_2, add_1)""")
 
     def test_residual_stack(self, device):
         def stack(x, ws):
@@ -208,22 +131,21 @@ class GraphModule(torch.nn.Module):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         ws = [torch.randn(8, 8, device=device, requires_grad=True) for _ in range(3)]
         rec = self.compile_step(stack, x, ws)
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]", primals_4: "f32[4, 8]"):
-        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_4, t)
+    def forward(self, primals_ws_0: "f32[8, 8]", primals_ws_1: "f32[8, 8]", primals_ws_2: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_ws_0);  primals_ws_0 = None
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, t)
         tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
-        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_4, tanh);  tanh = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_x, tanh);  tanh = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_ws_1);  primals_ws_1 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
         tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
         add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
-        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_ws_2);  primals_ws_2 = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
         tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
         detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
@@ -238,100 +160,37 @@ class GraphModule(torch.nn.Module):
         detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_5_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_5, dtype = torch.bfloat16);  detach_5 = None  # pack(detach_5)
         t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add_2, primals_4, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        return (add_2, primals_x, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]", primals_4: "f32[8, 8]"):
-        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, t)
-        tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(mm);  mm = None
-        detach: "f32[4, 8]" = torch.ops.aten.detach.default(tanh)
-        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, tanh);  tanh = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
-        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_1)
-        tanh_1: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
-        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_1)
-        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, tanh_1);  tanh_1 = None
-        add_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add, dtype = torch.bfloat16);  add = None  # pack(add)
-        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_4);  primals_4 = None
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(add_1, t_2)
-        tanh_2: "f32[4, 8]" = torch.ops.aten.tanh.default(mm_2);  mm_2 = None
-        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(tanh_2)
-        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, tanh_2);  tanh_2 = None
-        add_1_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(add_1, dtype = torch.bfloat16);  add_1 = None  # pack(add_1)
-        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach_2);  detach_2 = None
-        detach_3_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_3, dtype = torch.bfloat16);  detach_3 = None  # pack(detach_3)
-        t_5: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
-        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
-        detach_4_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_4, dtype = torch.bfloat16);  detach_4 = None  # pack(detach_4)
-        t_9: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
-        detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
-        detach_5_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_5, dtype = torch.bfloat16);  detach_5 = None  # pack(detach_5)
-        t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add_2, primals_1, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_4: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_x: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
         detach_3_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_3_packed, dtype = torch.float32);  detach_3_packed = None  # unpack(detach_3)
         tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3_unpacked);  detach_3_unpacked = None
-        t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
+        t: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
         add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
-        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
-        t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
-        mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
-        add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
-        t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
+        mm: "f32[8, 8]" = torch.ops.aten.mm.default(t, add_1_unpacked);  t = add_1_unpacked = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(mm);  mm = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_1);  tangents_1 = mm_1 = None
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
         detach_4_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_4_packed, dtype = torch.float32);  detach_4_packed = None  # unpack(detach_4)
-        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4_unpacked);  detach_4_unpacked = None
-        t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
+        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add, detach_4_unpacked);  detach_4_unpacked = None
+        t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
         add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
-        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
-        t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
-        mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
-        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
-        t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
-        detach_5_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_5_packed, dtype = torch.float32);  detach_5_packed = None  # unpack(detach_5)
-        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5_unpacked);  detach_5_unpacked = None
-        t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
-        mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_4);  t_11 = primals_4 = None
-        t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
-        mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
-        add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
-        t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
-        return (t_14, t_10, t_6, add_5)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
-        detach_3_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_3_packed, dtype = torch.float32);  detach_3_packed = None  # unpack(detach_3)
-        tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_3_unpacked);  detach_3_unpacked = None
-        t_3: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward)
-        add_1_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_1_packed, dtype = torch.float32);  add_1_packed = None  # unpack(add_1)
-        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_1_unpacked);  t_3 = add_1_unpacked = None
-        t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
-        mm_4: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward, t_5);  tanh_backward = t_5 = None
-        add_3: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_4);  tangents_1 = mm_4 = None
+        mm_2: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, add_unpacked);  t_3 = add_unpacked = None
+        t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_2);  mm_2 = None
+        mm_3: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(add, mm_3);  add = mm_3 = None
         t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
-        detach_4_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_4_packed, dtype = torch.float32);  detach_4_packed = None  # unpack(detach_4)
-        tanh_backward_1: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_3, detach_4_unpacked);  detach_4_unpacked = None
-        t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_1)
-        add_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(add_packed, dtype = torch.float32);  add_packed = None  # unpack(add)
-        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, add_unpacked);  t_7 = add_unpacked = None
-        t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_5);  mm_5 = None
-        mm_6: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_1, t_9);  tanh_backward_1 = t_9 = None
-        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_3, mm_6);  add_3 = mm_6 = None
-        t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
         detach_5_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_5_packed, dtype = torch.float32);  detach_5_packed = None  # unpack(detach_5)
-        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_4, detach_5_unpacked);  detach_5_unpacked = None
-        t_11: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
-        mm_7: "f32[8, 8]" = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
-        t_12: "f32[8, 8]" = torch.ops.aten.t.default(mm_7);  mm_7 = None
-        mm_8: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
-        add_5: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_4, mm_8);  add_4 = mm_8 = None
-        t_14: "f32[8, 8]" = torch.ops.aten.t.default(t_12);  t_12 = None
-        return (add_5, t_14, t_10, t_6)""")
+        tanh_backward_2: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(add_1, detach_5_unpacked);  detach_5_unpacked = None
+        t_7: "f32[8, 4]" = torch.ops.aten.t.default(tanh_backward_2)
+        mm_4: "f32[8, 8]" = torch.ops.aten.mm.default(t_7, primals_x);  t_7 = primals_x = None
+        t_8: "f32[8, 8]" = torch.ops.aten.t.default(mm_4);  mm_4 = None
+        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, mm_5);  add_1 = mm_5 = None
+        t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
+        return (t_10, t_6, t_2, add_2)""")
 
     def test_tuple_pack_dtype_and_tensor(self, device):
         # The dtype leaf is a constant: it is baked into the unpack graph, not saved.
@@ -339,112 +198,83 @@ class GraphModule(torch.nn.Module):
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=DTYPE)
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]"):
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+    def forward(self, primals_x: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        return (cos, primals_1, exp_packed)""")
+        return (cos, primals_x, exp_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin);  sin = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
-        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
-        return (mul_2,)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
+        return (mul_2)""")
 
     def test_shape_changing_pack(self, device):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT)
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]"):
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+    def forward(self, primals_x: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         view_default: "f32[32]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_1, exp_packed)""")
+        return (cos, primals_x, exp_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "f32[32]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_x: "f32[4, 8]", exp_packed: "f32[32]", tangents_1: "f32[4, 8]"):
         div_tensor: "f32[32]" = torch.ops.aten.div.Tensor(exp_packed, 2);  exp_packed = None  # unpack(exp)
         exp_unpacked: "f32[4, 8]" = torch.ops.aten.view.default(div_tensor, [4, 8]);  div_tensor = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin);  sin = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
-        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
-        return (mul_2,)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
+        return (mul_2)""")
 
     def test_dynamic_shapes(self, device):
         # The shape-changing hook under dynamic shapes: its sizes are symbolic and the
         # backward reads them from the saved symints.
         x = torch.randn(4, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT, dynamic=True)
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[s77, s27]", primals_2: "Sym(s77)", primals_3: "Sym(s27)"):
-        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_1)
+    def forward(self, primals_s27: "Sym(s27)", primals_s77: "Sym(s77)", primals_x: "f32[s77, s27]"):
+        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
         exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
         exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
         view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_1, exp_packed_2, primals_3, primals_2, exp_packed_0, exp_packed_1)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        return (cos, primals_x, exp_packed_2, primals_s27, primals_s77, exp_packed_0, exp_packed_1)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "Sym(s77)", primals_2: "Sym(s27)", primals_3: "f32[s77, s27]"):
-        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_3)
-        exp: "f32[s77, s27]" = torch.ops.aten.exp.default(sin);  sin = None
-        cos: "f32[s77, s27]" = torch.ops.aten.cos.default(exp)
-        exp_packed_1: "Sym(s27)" = torch.ops.aten.sym_size.int(exp, 1)  # pack(exp)
-        exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
-        view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
-        exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_3, exp_packed_2, primals_2, primals_1, exp_packed_0, exp_packed_1)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "Sym(s27)", primals_2: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_1: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
+    def forward(self, primals_s27: "Sym(s27)", primals_s77: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_x: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
         div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
         exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
-        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        sin: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked)
+        neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin);  sin = None
         mul: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
         detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
         detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
-        cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
-        mul_2: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
-        return (mul_2, None, None)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_2: "Sym(s27)", primals_1: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_3: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
-        div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
-        exp_unpacked: "f32[s77, s27]" = torch.ops.aten.view.default(div_tensor, [exp_packed_0, exp_packed_1]);  div_tensor = exp_packed_0 = exp_packed_1 = None  # unpack(exp)
-        sin_1: "f32[s77, s27]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[s77, s27]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
-        mul_8: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        detach: "f32[s77, s27]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
-        detach_1: "f32[s77, s27]" = torch.ops.aten.detach.default(detach);  detach = None
-        mul_9: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_8, detach_1);  mul_8 = detach_1 = None
-        cos_1: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_3);  primals_3 = None
-        mul_10: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_9, cos_1);  mul_9 = cos_1 = None
-        return (None, None, mul_10)""")
+        cos: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
+        mul_2: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
+        return (None, None, mul_2)""")
 
     def _filtering_mode(self, device, mode):
         x = torch.randn(4, 8, device=device, requires_grad=True)
@@ -454,89 +284,48 @@ class GraphModule(torch.nn.Module):
 
     def test_filtering_mode_donated(self, device):
         rec = self._filtering_mode(device, "donated")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        return (cos, mm_packed, t, t_1)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
-        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
         return (cos, mm_packed, t, t_1)""")
 
     def test_filtering_mode_no_static(self, device):
         # Inputs are hooked too, but not static inputs (parameters in a module).
         rec = self._filtering_mode(device, "no_static")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
         t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
-        return (cos, mm_packed, t_packed, t_1_packed)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
-        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
         t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
         return (cos, mm_packed, t_packed, t_1_packed)""")
 
     def test_filtering_mode_all(self, device):
         rec = self._filtering_mode(device, "all")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, primals_1)
+    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
+        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
         t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
         t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
         return (cos, mm_packed, t_packed, t_1_packed)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[8, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
-        mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
-        cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
-        return (cos, mm_packed, t_packed, t_1_packed)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, mm_packed: "f32[4, 8]", t_packed: "f32[8, 4]", t_1_packed: "f32[8, 8]", tangents_1: "f32[4, 8]"):
         mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
@@ -544,29 +333,13 @@ class GraphModule(torch.nn.Module):
         sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin);  sin = None
         neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
-        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos);  mul = cos = None
         t_unpacked: "f32[8, 4]" = torch.ops.aten.div.Tensor(t_packed, 2);  t_packed = None  # unpack(t)
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
+        mm: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
         t_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(t_1_packed, 2);  t_1_packed = None  # unpack(t_1)
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
-        return (mm_1, mm_2)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, mm_packed: "f32[4, 8]", t_packed: "f32[8, 4]", t_1_packed: "f32[8, 8]", tangents_1: "f32[4, 8]"):
-        mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm_unpacked)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin);  sin = None
-        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
-        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
-        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos_1);  mul = cos_1 = None
-        t_unpacked: "f32[8, 4]" = torch.ops.aten.div.Tensor(t_packed, 2);  t_packed = None  # unpack(t)
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
-        t_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(t_1_packed, 2);  t_1_packed = None  # unpack(t_1)
-        mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
-        return (mm_2, mm_1)""")
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
+        return (mm, mm_1)""")
 
     def test_prefetch_distance(self, device):
         # Each unpack is issued two backward nodes before its first use.
@@ -578,18 +351,18 @@ class GraphModule(torch.nn.Module):
                 compiled(x).sum().backward()
         self.assertExpectedGraph(backend.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_2: "f32[4, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_2: "f32[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
         tanh_backward: "f32[4, 8]" = torch.ops.aten.tanh_backward.default(tangents_1, detach_2);  tangents_1 = detach_2 = None
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin);  sin = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tanh_backward, neg);  tanh_backward = neg = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
-        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
-        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_3);  mul = detach_3 = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
-        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
-        return (mul_2,)""")
+        detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
+        return (mul_2)""")
 
     def test_boundary_placement_matches_upstream(self, device):
         # config.hook_placement="boundary" reproduces upstream's placement: every pack at the
@@ -602,25 +375,25 @@ class GraphModule(torch.nn.Module):
                 compiled(x).sum().backward()
         self.assertExpectedGraph(backend.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]"):
-        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_1)
+    def forward(self, primals_x: "f32[4, 8]"):
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        return (cos, primals_1, exp_packed)""")
+        return (cos, primals_x, exp_packed)""")
         self.assertExpectedGraph(backend.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
-        sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
-        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+        sin: "f32[4, 8]" = torch.ops.aten.sin.default(exp_unpacked)
+        neg: "f32[4, 8]" = torch.ops.aten.neg.default(sin);  sin = None
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
         detach: "f32[4, 8]" = torch.ops.aten.detach.default(exp_unpacked);  exp_unpacked = None
         detach_1: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
-        cos_1: "f32[4, 8]" = torch.ops.aten.cos.default(primals_1);  primals_1 = None
-        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos_1);  mul_1 = cos_1 = None
-        return (mul_2,)""")
+        cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
+        mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
+        return (mul_2)""")
 
     def test_inductor_receives_placed_graphs(self, device):
         def block(x, w1, w2):
@@ -630,94 +403,48 @@ class GraphModule(torch.nn.Module):
         w1 = torch.randn(16, 8, device=device, requires_grad=True)
         w2 = torch.randn(8, 16, device=device, requires_grad=True)
         rec = self.compile_step(block, x, w1, w2, backend=InductorAndRecordGraphs())
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[16, 8]", primals_2: "f32[8, 16]", primals_3: "f32[4, 8]"):
-        permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_1, [1, 0]);  primals_1 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_3, permute)
+    def forward(self, primals_w1: "f32[16, 8]", primals_w2: "f32[8, 16]", primals_x: "f32[4, 8]"):
+        permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_w1, [1, 0]);  primals_w1 = None
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_x, permute)
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.5)
         mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.7071067811865476)
         mm_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mm, torch.bfloat16);  mm = None  # pack(mm)
         erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
         add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
         mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul, add);  mul = add = None
-        permute_1: "f32[16, 8]" = torch.ops.aten.permute.default(primals_2, [1, 0]);  primals_2 = None
+        permute_1: "f32[16, 8]" = torch.ops.aten.permute.default(primals_w2, [1, 0]);  primals_w2 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_2, permute_1)
         mul_2_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2, torch.bfloat16);  mul_2 = None  # pack(mul_2)
-        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_3, mm_1);  mm_1 = None
+        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_x, mm_1);  mm_1 = None
         permute_4: "f32[8, 16]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
         permute_8: "f32[16, 8]" = torch.ops.aten.permute.default(permute, [1, 0]);  permute = None
-        return (add_1, primals_3, mm_packed, mul_2_packed, permute_4, permute_8)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        return (add_1, primals_x, mm_packed, mul_2_packed, permute_4, permute_8)""")
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", primals_2: "f32[16, 8]", primals_3: "f32[8, 16]"):
-        permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_2, [1, 0]);  primals_2 = None
-        mm: "f32[4, 16]" = torch.ops.aten.mm.default(primals_1, permute)
-        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.5)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm, 0.7071067811865476)
-        mm_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mm, torch.bfloat16);  mm = None  # pack(mm)
-        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
-        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
-        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul, add);  mul = add = None
-        permute_1: "f32[16, 8]" = torch.ops.aten.permute.default(primals_3, [1, 0]);  primals_3 = None
-        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_2, permute_1)
-        mul_2_packed: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2, torch.bfloat16);  mul_2 = None  # pack(mul_2)
-        add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_1, mm_1);  mm_1 = None
-        permute_4: "f32[8, 16]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
-        permute_8: "f32[16, 8]" = torch.ops.aten.permute.default(permute, [1, 0]);  permute = None
-        return (add_1, primals_1, mm_packed, mul_2_packed, permute_4, permute_8)""")
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_3: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
-        permute_2: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
+    def forward(self, primals_x: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
+        permute: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
         mul_2_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2_packed, torch.float32);  mul_2_packed = None  # unpack(mul_2)
-        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(permute_2, mul_2_unpacked);  permute_2 = mul_2_unpacked = None
-        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, permute_4);  permute_4 = None
+        mm: "f32[8, 16]" = torch.ops.aten.mm.default(permute, mul_2_unpacked);  permute = mul_2_unpacked = None
+        mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, permute_4);  permute_4 = None
         mm_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mm_packed, torch.float32);  mm_packed = None  # unpack(mm)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, 0.7071067811865476)
-        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, 0.7071067811865476)
+        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul);  mul = None
         add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
-        mul_4: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, 0.5);  add = None
-        mul_5: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mm_unpacked)
-        mul_6: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul_5, -0.5);  mul_5 = None
-        exp: "f32[4, 16]" = torch.ops.aten.exp.default(mul_6);  mul_6 = None
-        mul_7: "f32[4, 16]" = torch.ops.aten.mul.Tensor(exp, 0.3989422804014327);  exp = None
-        mul_8: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mul_7);  mm_unpacked = mul_7 = None
-        add_3: "f32[4, 16]" = torch.ops.aten.add.Tensor(mul_4, mul_8);  mul_4 = mul_8 = None
-        mul_9: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, add_3);  mm_3 = add_3 = None
-        permute_6: "f32[16, 4]" = torch.ops.aten.permute.default(mul_9, [1, 0])
-        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(permute_6, primals_3);  permute_6 = primals_3 = None
-        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(mul_9, permute_8);  mul_9 = permute_8 = None
-        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
-        return (mm_4, mm_2, add_4)""")
-        else:
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
-        permute_2: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
-        mul_2_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mul_2_packed, torch.float32);  mul_2_packed = None  # unpack(mul_2)
-        mm_2: "f32[8, 16]" = torch.ops.aten.mm.default(permute_2, mul_2_unpacked);  permute_2 = mul_2_unpacked = None
-        mm_3: "f32[4, 16]" = torch.ops.aten.mm.default(tangents_1, permute_4);  permute_4 = None
-        mm_unpacked: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(mm_packed, torch.float32);  mm_packed = None  # unpack(mm)
-        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, 0.7071067811865476)
-        erf: "f32[4, 16]" = torch.ops.aten.erf.default(mul_1);  mul_1 = None
-        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(erf, 1);  erf = None
-        mul_4: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, 0.5);  add = None
-        mul_5: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mm_unpacked)
-        mul_6: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul_5, -0.5);  mul_5 = None
-        exp: "f32[4, 16]" = torch.ops.aten.exp.default(mul_6);  mul_6 = None
-        mul_7: "f32[4, 16]" = torch.ops.aten.mul.Tensor(exp, 0.3989422804014327);  exp = None
-        mul_8: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mul_7);  mm_unpacked = mul_7 = None
-        add_3: "f32[4, 16]" = torch.ops.aten.add.Tensor(mul_4, mul_8);  mul_4 = mul_8 = None
-        mul_9: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_3, add_3);  mm_3 = add_3 = None
-        permute_6: "f32[16, 4]" = torch.ops.aten.permute.default(mul_9, [1, 0])
-        mm_4: "f32[16, 8]" = torch.ops.aten.mm.default(permute_6, primals_1);  permute_6 = primals_1 = None
-        mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(mul_9, permute_8);  mul_9 = permute_8 = None
-        add_4: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_5);  tangents_1 = mm_5 = None
-        return (add_4, mm_4, mm_2)""")
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, 0.5);  add = None
+        mul_2: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mm_unpacked)
+        mul_3: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mul_2, -0.5);  mul_2 = None
+        exp: "f32[4, 16]" = torch.ops.aten.exp.default(mul_3);  mul_3 = None
+        mul_4: "f32[4, 16]" = torch.ops.aten.mul.Tensor(exp, 0.3989422804014327);  exp = None
+        mul_5: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_unpacked, mul_4);  mm_unpacked = mul_4 = None
+        add_1: "f32[4, 16]" = torch.ops.aten.add.Tensor(mul_1, mul_5);  mul_1 = mul_5 = None
+        mul_6: "f32[4, 16]" = torch.ops.aten.mul.Tensor(mm_1, add_1);  mm_1 = add_1 = None
+        permute_1: "f32[16, 4]" = torch.ops.aten.permute.default(mul_6, [1, 0])
+        mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(permute_1, primals_x);  permute_1 = primals_x = None
+        mm_3: "f32[4, 8]" = torch.ops.aten.mm.default(mul_6, permute_8);  mul_6 = permute_8 = None
+        add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_3);  tangents_1 = mm_3 = None
+        return (mm_2, mm, add_2)""")
 
 
 class TestStructuredTrace(TestCase):

@@ -36,7 +36,6 @@ from torch_patches import hooks
 from torch_patches.hooks import offload as offload_mod
 from torch_patches.testing import (
     HAS_CUDA,
-    TORCH_VERSION,
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
     TestCase,
@@ -240,88 +239,46 @@ class TestOffloadCompiled(TestCase):
         # offloaded right after their last forward use. Backward: each reload_wait sits right
         # before the first use, its reload_start 3 nodes earlier (reload_prefetch_distance,
         # capped by the placeholders for mm_1); relu's copy overlaps mul, t's and two mms.
-        if TORCH_VERSION >= (2, 15):
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]"):
-        mm: "f32[8, 8]" = torch.ops.aten.mm.default(primals_3, primals_1)
+    def forward(self, primals_w1: "f32[8, 8]", primals_w2: "f32[8, 8]", primals_x: "f32[8, 8]"):
+        mm: "f32[8, 8]" = torch.ops.aten.mm.default(primals_x, primals_w1)
         relu: "f32[8, 8]" = torch.ops.aten.relu.default(mm);  mm = None
         sin: "f32[8, 8]" = torch.ops.aten.sin.default(relu)
         relu_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(relu, True);  relu = None  # pack(relu)
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(sin, primals_2)
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(sin, primals_w2)
         cos: "f32[8, 8]" = torch.ops.aten.cos.default(mm_1)
         mm_1_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(mm_1, True);  mm_1 = None  # pack(mm_1)
         sum_1: "f32[]" = torch.ops.aten.sum.default(cos);  cos = None
         t: "f32[8, 8]" = torch.ops.aten.t.default(sin);  sin = None
         t_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(t, True);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
-        t_3: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w2);  primals_w2 = None
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_x);  primals_x = None
+        t_3: "f32[8, 8]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
         return (sum_1, relu_packed, mm_1_packed, t_packed, t_1, t_2, t_3)""")
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, relu_packed: "f32[8, 8]", mm_1_packed: "f32[8, 8]", t_packed: "f32[8, 8]", t_1: "f32[8, 8]", t_2: "f32[8, 8]", t_3: "f32[8, 8]", tangents_1: "f32[]"):
-        reload_start_default_1: "i64[]" = torch.ops.torch_patches.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
+        reload_start_default: "i64[]" = torch.ops.torch_patches.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
         expand: "f32[8, 8]" = torch.ops.aten.expand.default(tangents_1, [8, 8]);  tangents_1 = None
-        mm_1_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_1, mm_1_packed, device(type='DEVICE'), [8, 1]);  reload_start_default_1 = mm_1_packed = None  # unpack(mm_1)
-        sin_1: "f32[8, 8]" = torch.ops.aten.sin.default(mm_1_unpacked);  mm_1_unpacked = None
-        reload_start_default_2: "i64[]" = torch.ops.torch_patches.reload_start.default(t_packed, device(type='DEVICE'), [1, 8])  # unpack(t)
-        neg: "f32[8, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
-        reload_start_default: "i64[]" = torch.ops.torch_patches.reload_start.default(relu_packed, device(type='DEVICE'), [8, 1])  # unpack(relu)
+        mm_1_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default, mm_1_packed, device(type='DEVICE'), [8, 1]);  reload_start_default = mm_1_packed = None  # unpack(mm_1)
+        sin: "f32[8, 8]" = torch.ops.aten.sin.default(mm_1_unpacked);  mm_1_unpacked = None
+        reload_start_default_1: "i64[]" = torch.ops.torch_patches.reload_start.default(t_packed, device(type='DEVICE'), [1, 8])  # unpack(t)
+        neg: "f32[8, 8]" = torch.ops.aten.neg.default(sin);  sin = None
+        reload_start_default_2: "i64[]" = torch.ops.torch_patches.reload_start.default(relu_packed, device(type='DEVICE'), [8, 1])  # unpack(relu)
         mul: "f32[8, 8]" = torch.ops.aten.mul.Tensor(expand, neg);  expand = neg = None
-        t_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_2, t_packed, device(type='DEVICE'), [1, 8]);  reload_start_default_2 = t_packed = None  # unpack(t)
-        mm_2: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul);  t_unpacked = None
-        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(mul, t_1);  mul = t_1 = None
-        relu_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default, relu_packed, device(type='DEVICE'), [8, 1]);  reload_start_default = relu_packed = None  # unpack(relu)
-        cos_1: "f32[8, 8]" = torch.ops.aten.cos.default(relu_unpacked)
-        mul_1: "f32[8, 8]" = torch.ops.aten.mul.Tensor(mm_3, cos_1);  mm_3 = cos_1 = None
+        t_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_1, t_packed, device(type='DEVICE'), [1, 8]);  reload_start_default_1 = t_packed = None  # unpack(t)
+        mm: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul);  t_unpacked = None
+        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(mul, t_1);  mul = t_1 = None
+        relu_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_2, relu_packed, device(type='DEVICE'), [8, 1]);  reload_start_default_2 = relu_packed = None  # unpack(relu)
+        cos: "f32[8, 8]" = torch.ops.aten.cos.default(relu_unpacked)
+        mul_1: "f32[8, 8]" = torch.ops.aten.mul.Tensor(mm_1, cos);  mm_1 = cos = None
         detach: "f32[8, 8]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
         detach_1: "f32[8, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         threshold_backward: "f32[8, 8]" = torch.ops.aten.threshold_backward.default(mul_1, detach_1, 0);  mul_1 = detach_1 = None
-        mm_4: "f32[8, 8]" = torch.ops.aten.mm.default(t_2, threshold_backward);  t_2 = None
-        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
-        return (mm_4, mm_2, mm_5)""")
-        else:
-            self.assertExpectedGraph(rec.fw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8, 8]", primals_3: "f32[8, 8]"):
-        mm: "f32[8, 8]" = torch.ops.aten.mm.default(primals_1, primals_2)
-        relu: "f32[8, 8]" = torch.ops.aten.relu.default(mm);  mm = None
-        sin: "f32[8, 8]" = torch.ops.aten.sin.default(relu)
-        relu_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(relu, True);  relu = None  # pack(relu)
-        mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(sin, primals_3)
-        cos: "f32[8, 8]" = torch.ops.aten.cos.default(mm_1)
-        mm_1_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(mm_1, True);  mm_1 = None  # pack(mm_1)
-        sum_1: "f32[]" = torch.ops.aten.sum.default(cos);  cos = None
-        t: "f32[8, 8]" = torch.ops.aten.t.default(sin);  sin = None
-        t_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(t, True);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_3);  primals_3 = None
-        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_1);  primals_1 = None
-        t_3: "f32[8, 8]" = torch.ops.aten.t.default(primals_2);  primals_2 = None
-        return (sum_1, relu_packed, mm_1_packed, t_packed, t_1, t_2, t_3)""")
-            self.assertExpectedGraph(rec.bw_graphs[0], """\
-class GraphModule(torch.nn.Module):
-    def forward(self, relu_packed: "f32[8, 8]", mm_1_packed: "f32[8, 8]", t_packed: "f32[8, 8]", t_1: "f32[8, 8]", t_2: "f32[8, 8]", t_3: "f32[8, 8]", tangents_1: "f32[]"):
-        reload_start_default_1: "i64[]" = torch.ops.torch_patches.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
-        expand: "f32[8, 8]" = torch.ops.aten.expand.default(tangents_1, [8, 8]);  tangents_1 = None
-        mm_1_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_1, mm_1_packed, device(type='DEVICE'), [8, 1]);  reload_start_default_1 = mm_1_packed = None  # unpack(mm_1)
-        sin_1: "f32[8, 8]" = torch.ops.aten.sin.default(mm_1_unpacked);  mm_1_unpacked = None
-        reload_start_default_2: "i64[]" = torch.ops.torch_patches.reload_start.default(t_packed, device(type='DEVICE'), [1, 8])  # unpack(t)
-        neg: "f32[8, 8]" = torch.ops.aten.neg.default(sin_1);  sin_1 = None
-        reload_start_default: "i64[]" = torch.ops.torch_patches.reload_start.default(relu_packed, device(type='DEVICE'), [8, 1])  # unpack(relu)
-        mul: "f32[8, 8]" = torch.ops.aten.mul.Tensor(expand, neg);  expand = neg = None
-        t_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_2, t_packed, device(type='DEVICE'), [1, 8]);  reload_start_default_2 = t_packed = None  # unpack(t)
-        mm_2: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul);  t_unpacked = None
-        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(mul, t_1);  mul = t_1 = None
-        relu_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default, relu_packed, device(type='DEVICE'), [8, 1]);  reload_start_default = relu_packed = None  # unpack(relu)
-        cos_1: "f32[8, 8]" = torch.ops.aten.cos.default(relu_unpacked)
-        mul_1: "f32[8, 8]" = torch.ops.aten.mul.Tensor(mm_3, cos_1);  mm_3 = cos_1 = None
-        detach: "f32[8, 8]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
-        detach_1: "f32[8, 8]" = torch.ops.aten.detach.default(detach);  detach = None
-        threshold_backward: "f32[8, 8]" = torch.ops.aten.threshold_backward.default(mul_1, detach_1, 0);  mul_1 = detach_1 = None
-        mm_4: "f32[8, 8]" = torch.ops.aten.mm.default(t_2, threshold_backward);  t_2 = None
-        mm_5: "f32[8, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
-        return (mm_5, mm_4, mm_2)""")
+        mm_2: "f32[8, 8]" = torch.ops.aten.mm.default(t_2, threshold_backward);  t_2 = None
+        mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
+        return (mm_2, mm, mm_3)""")
 
     def unpack_order(self, rec: AotEagerAndRecordGraphs) -> dict[str, tuple[int, int]]:
         """saved name -> (index of its last reload_start, index of its first reload_wait)."""

@@ -15,7 +15,6 @@ from common_hooks import RowScaled, exact_scaled_pack, row_scaled_pack, row_scal
 from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
-    SavedTensorsHookError,
     TestCase,
     hook_nodes,
     instantiate_device_type_tests,

@@ -620,22 +620,22 @@ class TestAOTDispatchHooks(TestCase):
         # use, each unpack right before its first backward use.
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[3, 3]"):
-        view: "f32[3, 3]" = torch.ops.aten.view.default(primals_1, [3, 3])
-        primals_1_packed: "f8e5m2[3, 3]" = torch.ops.aten._to_copy.default(primals_1, dtype = torch.float8_e5m2);  primals_1 = None  # pack(primals_1)
+    def forward(self, primals_x: "f32[3, 3]"):
+        view: "f32[3, 3]" = torch.ops.aten.view.default(primals_x, [3, 3])
+        primals_x_packed: "f8e5m2[3, 3]" = torch.ops.aten._to_copy.default(primals_x, dtype = torch.float8_e5m2);  primals_x = None  # pack(primals_x)
         relu: "f32[3, 3]" = torch.ops.aten.relu.default(view);  view = None
         detach: "f32[3, 3]" = torch.ops.aten.detach.default(relu)
         detach_1: "f32[3, 3]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_1_packed: "f8e5m2[3, 3]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.float8_e5m2);  detach_1 = None  # pack(detach_1)
-        return (relu, primals_1_packed, detach_1_packed)""")
+        return (relu, primals_x_packed, detach_1_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1_packed: "f8e5m2[3, 3]", detach_1_packed: "f8e5m2[3, 3]", tangents_1: "f32[3, 3]"):
+    def forward(self, primals_x_packed: "f8e5m2[3, 3]", detach_1_packed: "f8e5m2[3, 3]", tangents_1: "f32[3, 3]"):
         detach_1_unpacked: "f32[3, 3]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
         threshold_backward: "f32[3, 3]" = torch.ops.aten.threshold_backward.default(tangents_1, detach_1_unpacked, 0);  tangents_1 = detach_1_unpacked = None
-        primals_1_unpacked: "f32[3, 3]" = torch.ops.aten._to_copy.default(primals_1_packed, dtype = torch.float32);  primals_1_packed = None  # unpack(primals_1)
-        add: "f32[3, 3]" = torch.ops.aten.add.Tensor(threshold_backward, primals_1_unpacked);  threshold_backward = primals_1_unpacked = None
-        return (add,)""")
+        primals_x_unpacked: "f32[3, 3]" = torch.ops.aten._to_copy.default(primals_x_packed, dtype = torch.float32);  primals_x_packed = None  # unpack(primals_x)
+        add: "f32[3, 3]" = torch.ops.aten.add.Tensor(threshold_backward, primals_x_unpacked);  threshold_backward = primals_x_unpacked = None
+        return (add)""")
 
     def _context_run(self, device):
         HOOK_CONTEXTS.clear()

@@ -153,13 +153,14 @@ class AotEagerAndRecordGraphs:
         from torch._dynamo.backends.debugging import aot_eager
 
         self.graphs.append(gm)
+        roles = _RoleNamer(gm)
 
         def fw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
-            self.fw_graphs.append(g)
+            self.fw_graphs.append(roles.mark(g, backward=False))
             return make_boxed_func(g.forward)
 
         def bw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
-            self.bw_graphs.append(g)
+            self.bw_graphs.append(roles.mark(g, backward=True))
             return make_boxed_func(g.forward)
 
         return aot_eager(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
@@ -181,15 +182,86 @@ class InductorAndRecordGraphs:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         self.graphs.append(gm)
+        roles = _RoleNamer(gm)
 
         def inner_compile(g: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-            copy = fx.GraphModule(g, _copy_graph(g.graph))
-            (self.bw_graphs if kwargs.get("is_backward") else self.fw_graphs).append(copy)
+            backward = bool(kwargs.get("is_backward"))
+            copy = roles.mark(fx.GraphModule(g, _copy_graph(g.graph)), backward=backward)
+            (self.bw_graphs if backward else self.fw_graphs).append(copy)
             return compile_fx_inner(g, inputs, **kwargs)
 
         # A cache hit would skip inner_compile and record nothing.
         with torch._inductor.config.patch(force_disable_caches=True):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+#: ``gm.meta`` key of the recorders: {"names": primals name -> role, "order": roles in the
+#: forward's primals order, "backward": bool}.
+ROLES_META = "torch_patches_primal_roles"
+
+
+class _RoleNamer:
+    """Names the AOT graphs' ``primals_N`` by the Dynamo input they stand for (``x``, ``w``).
+
+    Dynamo orders graph inputs differently across torch releases (2.15 puts some before
+    others), which renumbers ``primals_N`` and reorders the backward's gradients; named by
+    role, one golden text serves every release.
+    """
+
+    def __init__(self, dynamo_gm: fx.GraphModule) -> None:
+        self.inputs = [
+            re.sub(r"^l_|_$", "", n.name) for n in dynamo_gm.graph.find_nodes(op="placeholder")
+        ]
+        self.roles: dict[str, Any] | None = None
+
+    def mark(self, g: fx.GraphModule, *, backward: bool) -> fx.GraphModule:
+        if not backward:
+            names: dict[str, str] = {}
+            order: list[str] = []
+            for node in g.graph.find_nodes(op="placeholder"):
+                idx = getattr(node.meta.get("desc"), "idx", None)
+                if not node.name.startswith("primals_") or not isinstance(idx, int) or idx >= len(self.inputs):
+                    names = {}
+                    break  # not a plain graph input (tokens, subclass parts): keep numbers
+                names[node.name] = self.inputs[idx]
+                order.append(self.inputs[idx])
+            if len(set(names.values())) != len(names):
+                names = {}
+            self.roles = {"names": names, "order": order if names else []}
+        if self.roles is not None and self.roles["names"]:
+            g.meta[ROLES_META] = {**self.roles, "backward": backward}
+        return g
+
+
+def _split_params(params: str) -> list[str]:
+    return re.findall(r'\w+(?:: "[^"]*")?', params)
+
+
+def _apply_roles(text: str, roles: dict[str, Any]) -> str:
+    names: dict[str, str] = roles["names"]
+    # Also inside names derived from a primal (``primals_3_packed``).
+    text = re.sub(r"(?<![\w])primals_\d+(?![0-9])", lambda m: f"primals_{names[m.group(0)]}" if m.group(0) in names else m.group(0), text)
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"(\s*def forward\(self, )(.*)(\):)$", line)
+        if m:
+            params = _split_params(m.group(2))
+            slots = [j for j, p in enumerate(params) if p.startswith("primals_")]
+            ordered = sorted((params[j] for j in slots), key=lambda p: p.split(":")[0])
+            for j, p in zip(slots, ordered):
+                params[j] = p
+            lines[i] = f"{m.group(1)}{', '.join(params)}{m.group(3)}"
+    order: list[str] = roles["order"]
+    if roles["backward"] and order:
+        for i in range(len(lines) - 1, -1, -1):
+            m = re.match(r"(\s*return \()(.*)(\))$", lines[i])
+            if m:
+                outs = [o.strip() for o in m.group(2).split(",") if o.strip()]
+                if len(outs) == len(order):  # one gradient per forward input
+                    by_role = dict(zip(order, outs))
+                    lines[i] = f"{m.group(1)}{', '.join(by_role[r] for r in sorted(order))}{m.group(3)}"
+                break
+    return "\n".join(lines)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
@@ -227,19 +299,50 @@ def normalize_graph(gm: fx.GraphModule, *, mark_hooks: bool = True) -> str:
     text = "\n".join(line for line in text.splitlines() if line.strip())
     text = _DEVICE_RE.sub("device(type='DEVICE')", text)
     text = _DEVICE_STR_RE.sub("device = 'DEVICE'", text)
-    if not mark_hooks:
-        return text
-    marks = hook_nodes(gm)
-    lines = []
-    for line in text.splitlines():
-        m = re.match(r"\s+(\w+)(?::| =)", line)
-        if m and m.group(1) in marks:
-            info = marks[m.group(1)]
-            line = f"{line}  # {info['role']}({info['saved']})"
-            if info["hook"] != "ambient":  # in-graph scope: say which
-                line += " " + info["hook"].removeprefix("saved_tensors_hooks_")
-        lines.append(line)
-    return "\n".join(lines)
+    if mark_hooks:
+        marks = hook_nodes(gm)
+        lines = []
+        for line in text.splitlines():
+            m = re.match(r"\s+(\w+)(?::| =)", line)
+            if m and m.group(1) in marks:
+                info = marks[m.group(1)]
+                line = f"{line}  # {info['role']}({info['saved']})"
+                if info["hook"] != "ambient":  # in-graph scope: say which
+                    line += " " + info["hook"].removeprefix("saved_tensors_hooks_")
+            lines.append(line)
+        text = "\n".join(lines)
+    roles = gm.meta.get(ROLES_META)
+    if roles is not None:  # an AOT graph from our recorders: names independent of release
+        text = _apply_roles(text, roles)
+        if roles["backward"]:
+            text = _renumber(text)
+    return text
+
+
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?!\w)")
+
+
+def _renumber(text: str) -> str:
+    """Number a backward graph's nodes per name stem in definition order (``mul``,
+    ``mul_1``...): upstream numbers the nodes it creates there differently across releases.
+    Inputs keep their names (the forward's saved names), comments are left alone."""
+    defined = re.findall(r'^\s+(\w+)(?::\s*"[^"]*")?\s*=\s', text, flags=re.M)
+    signature = text.split("\n", 2)[1] if "\n" in text else ""
+    inputs = set(re.findall(r"\w+(?=:)", signature))  # kept: the forward's saved names
+    counts: dict[str, int] = {}
+    mapping: dict[str, str] = {}
+    for name in dict.fromkeys(defined):
+        stem = re.sub(r"_\d+$", "", name)
+        n = counts.get(stem, 0)
+        while (new := stem if n == 0 else f"{stem}_{n}") in inputs:
+            n += 1
+        counts[stem] = n + 1
+        mapping[name] = new
+    def rename(line: str) -> str:
+        code, sep, comment = line.partition("  # ")
+        return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), code) + sep + comment
+
+    return "\n".join(rename(line) for line in text.splitlines())
 
 
 def instantiate_device_type_tests(cls: type, scope: dict[str, Any]) -> None:
