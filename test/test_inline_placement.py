@@ -277,57 +277,54 @@ class GraphModule(torch.nn.Module):
         return (None, None, mul_2)""")
 
     def _filtering_mode(self, device, mode):
+        # The weight is a module parameter: a static input, which "no_static" leaves alone.
+        lin = torch.nn.Linear(8, 8, bias=False, device=device)
         x = torch.randn(4, 8, device=device, requires_grad=True)
-        w = torch.randn(8, 8, device=device, requires_grad=True)
         with functorch_config.patch(saved_tensors_hooks_filtering_mode=mode):
-            return self.compile_step(lambda x, w: (x @ w).sin().cos(), x, w, hooks=EXACT)
+            return self.compile_step(lambda x: lin(x).sin().cos(), x, hooks=EXACT)
 
     def test_filtering_mode_donated(self, device):
         rec = self._filtering_mode(device, "donated")
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
+    def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, t);  t = None
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
-        return (cos, mm_packed, t, t_1)""")
+        return (cos, primals_lin_parameters_weight, primals_x, mm_packed)""")
 
     def test_filtering_mode_no_static(self, device):
         # Inputs are hooked too, but not static inputs (parameters in a module).
         rec = self._filtering_mode(device, "no_static")
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
+    def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, t);  t = None
+        primals_x_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_x, 2);  primals_x = None  # pack(primals_x)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
-        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
-        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
-        return (cos, mm_packed, t_packed, t_1_packed)""")
+        return (cos, primals_lin_parameters_weight, primals_x_packed, mm_packed)""")
 
     def test_filtering_mode_all(self, device):
         rec = self._filtering_mode(device, "all")
         self.assertExpectedGraph(rec.fw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_w: "f32[8, 8]", primals_x: "f32[4, 8]"):
-        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, primals_w)
+    def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
+        t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
+        primals_lin_parameters_weight_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(primals_lin_parameters_weight, 2);  primals_lin_parameters_weight = None  # pack(primals_lin_parameters_weight)
+        mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_x, t);  t = None
+        primals_x_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(primals_x, 2);  primals_x = None  # pack(primals_x)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        t: "f32[8, 4]" = torch.ops.aten.t.default(primals_x);  primals_x = None
-        t_packed: "f32[8, 4]" = torch.ops.aten.mul.Tensor(t, 2);  t = None  # pack(t)
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w);  primals_w = None
-        t_1_packed: "f32[8, 8]" = torch.ops.aten.mul.Tensor(t_1, 2);  t_1 = None  # pack(t_1)
-        return (cos, mm_packed, t_packed, t_1_packed)""")
+        return (cos, primals_lin_parameters_weight_packed, primals_x_packed, mm_packed)""")
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, mm_packed: "f32[4, 8]", t_packed: "f32[8, 4]", t_1_packed: "f32[8, 8]", tangents_1: "f32[4, 8]"):
+    def forward(self, primals_lin_parameters_weight_packed: "f32[8, 8]", primals_x_packed: "f32[4, 8]", mm_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
         mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm_unpacked)
         sin_1: "f32[4, 8]" = torch.ops.aten.sin.default(sin);  sin = None
@@ -335,11 +332,16 @@ class GraphModule(torch.nn.Module):
         mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(mm_unpacked);  mm_unpacked = None
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, cos);  mul = cos = None
-        t_unpacked: "f32[8, 4]" = torch.ops.aten.div.Tensor(t_packed, 2);  t_packed = None  # unpack(t)
-        mm: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul_1);  t_unpacked = None
-        t_1_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(t_1_packed, 2);  t_1_packed = None  # unpack(t_1)
-        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_1_unpacked);  mul_1 = t_1_unpacked = None
-        return (mm, mm_1)""")
+        t: "f32[8, 4]" = torch.ops.aten.t.default(mul_1)
+        primals_x_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(primals_x_packed, 2);  primals_x_packed = None  # unpack(primals_x)
+        mm: "f32[8, 8]" = torch.ops.aten.mm.default(t, primals_x_unpacked);  t = primals_x_unpacked = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(mm);  mm = None
+        primals_lin_parameters_weight_unpacked: "f32[8, 8]" = torch.ops.aten.div.Tensor(primals_lin_parameters_weight_packed, 2);  primals_lin_parameters_weight_packed = None  # unpack(primals_lin_parameters_weight)
+        t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight_unpacked);  primals_lin_parameters_weight_unpacked = None
+        t_3: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_3);  mul_1 = t_3 = None
+        t_4: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
+        return (t_4, mm_1)""")
 
     def test_prefetch_distance(self, device):
         # Each unpack is issued two backward nodes before its first use.
