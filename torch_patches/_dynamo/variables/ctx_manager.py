@@ -16,7 +16,8 @@ patch, entering it with inlineable hooks (``fx.GraphModule`` or functions marked
   it, eager's rule (see :func:`scope_of`);
 * the hooks are guarded on their content at their source (a hook recreated every step
   does not recompile), and a stand-in subgraph carrying the scope's content digest in its
-  code is installed on the graph so AOTAutogradCache keys on it.
+  code is installed on the graph so AOTAutogradCache keys on it (both in
+  ``torch_patches/_dynamo/region_scopes.py``).
 
 Hooks are trial-traced when the scope is entered: a hook that cannot be inlined is an
 error naming the hook and the reason under ``fullgraph=True``; otherwise the ``with``
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import uuid
 from typing import Any
 
 import torch
@@ -37,9 +37,9 @@ from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 
 from torch_patches import _compile_facts
+from torch_patches._dynamo import region_scopes
 from torch_patches._hook_scopes import SCOPE_KEY
 from torch_patches._functorch._aot_autograd import utils as hook_utils
-from torch_patches._hook_identity import hook_identity
 
 
 log = logging.getLogger(__name__)
@@ -76,32 +76,6 @@ def _python_value(tx: Any, vt: VariableTracker) -> tuple[Any, Any, bool]:
         if value is not None:
             return value, vt.source, False
     return None, vt.source, False
-
-
-def _content_guard(source: Any, fn: Any) -> None:
-    """Guard ``source`` on every dependency of the hook (``hook_identity``), not its id.
-
-    Installed whether or not Dynamo also guards the source: Dynamo's own guard on a
-    function is its identity, which does not see a module attribute or a captured object
-    the hook reads change.
-    """
-    from torch._dynamo.guards import get_verbose_code_parts, install_guard
-    from torch._guards import Guard
-
-    expected = hook_identity(fn)
-
-    def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
-        code = [f"torch_patches saved tensors hook key of {_source_name(source)} == {expected.digest!r}"]
-
-        def check(value: Any) -> bool:
-            return hook_utils.is_inlineable_hook(value) and hook_identity(value).same_as(expected)
-
-        check.pins = expected.pins  # type: ignore[attr-defined]  # alive as long as the guard
-        builder.get_guard_manager(guard).add_lambda_guard(
-            check, get_verbose_code_parts(code, guard), guard.user_stack
-        )
-
-    install_guard(Guard(source, SAVED_TENSORS_HOOK_CONTENT))
 
 
 # ----------------------------------------------------------------------- the scope
@@ -187,9 +161,9 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
             )
         for fn, source, _ in hooks:
             if source is not None:
-                _content_guard(source, fn)
+                region_scopes.guard_hook_content(source, fn)
 
-        key = _register_scope(tx, pair)
+        key = region_scopes.register_hooks_scope(tx, pair)
         return SavedTensorsHooksVariable(_compile_facts.facts(tx.output.tracing_context).scopes[key], key)
 
     def enter(self, tx: Any, *args: VariableTracker) -> VariableTracker:
@@ -265,38 +239,3 @@ def _disable_inside(tx: Any, first: fx.Node | None) -> Any:
             return node.args[0] if node.args else ""
         node = node.next
     return None
-
-
-def _scope_stand_in(key: str) -> None:
-    """Stands for an in-graph hooks scope in the compile caches' key; never run."""
-    raise RuntimeError("saved tensors hooks scope subgraphs are cache keys, never run")
-
-
-def _register_scope(tx: Any, pair: Any) -> str:
-    """Register ``pair`` for the inliner; install its cache-key stand-in on the graph."""
-    from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
-
-    digest, reasons = hook_utils.hooks_cache_key(pair.pack, pair.unpack)
-    if digest is None:
-        # No key valid across processes: a key that can never hit, and no cache entry.
-        key = f"local-{uuid.uuid4().hex}"
-        graph_compile.mark_not_cacheable(
-            f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
-        )
-    else:
-        key = "scope-" + digest
-    output = tx.output
-    installed = _compile_facts.facts(output.tracing_context).scopes  # for the inliner
-    if key not in installed:
-        graph = fx.Graph()
-        graph.output(graph.call_function(_scope_stand_in, (key,)))
-        name = output.install_subgraph(
-            "saved_tensors_hooks_scope",
-            fx.GraphModule(torch.nn.Module(), graph, class_name="saved_tensors_hooks_scope"),
-        )
-        names = output.saved_tensors_hooks_subgraph_names
-        if names is None:
-            output.saved_tensors_hooks_subgraph_names = names = []
-        names.append(name)
-        installed[key] = hook_tracing.HookPair(pair.pack, pair.unpack, name)
-    return key
