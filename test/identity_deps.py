@@ -14,6 +14,7 @@ Used in-process by test_hook_identity.py and in fresh processes by identity_work
 
 import dataclasses
 import functools
+import os
 import types
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ import torch
 import torch.fx
 
 import identity_cfg  # a plain module whose attributes hooks read
+import identity_imported  # imported again inside a hook's body
 from torch_patches.hooks import inlineable
 
 
@@ -252,6 +254,10 @@ def _fill(t):
     return set_value
 
 
+def _set_environ(v):
+    os.environ["TORCH_PATCHES_TEST_SCALE"] = str(v)
+
+
 def _marked(unpack):
     return lambda: inlineable(pack, unpack)
 
@@ -302,6 +308,14 @@ KINDS = {
     "fx_wrap_leaf_code": Kind(
         lambda v: setattr(leaf_scale, "__code__", _CODES[v]), _gm_leaf_hooks
     ),
+    "computed_attribute_name": Kind(
+        _setter(identity_cfg, "DYNAMIC_SCALE"), _marked(identity_cfg.computed_getattr_unpack)
+    ),
+    "module_imported_in_body": Kind(
+        _setter(identity_imported, "SCALE"), _marked(identity_cfg.imported_in_body_unpack)
+    ),
+    "environ": Kind(_set_environ, _marked(identity_cfg.environ_unpack)),
+    "getenv": Kind(_set_environ, _marked(identity_cfg.getenv_unpack)),
 }
 
 

@@ -33,6 +33,7 @@ import torch._functorch.config as functorch_config
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import identity_cfg
 import identity_deps as deps
 import torch_patches
 from torch_patches import config as tp_config
@@ -264,6 +265,51 @@ class TestNotKeyable(IdentityTestCase):
             torch._dynamo.reset()
             step(torch.compile(fn, backend="aot_eager", fullgraph=True), hooks, device)
 
+    def test_values_that_change_at_every_call_are_not_inlined(self, device):
+        # Eager draws a new value at every unpack; a compiled graph would replay one.
+        import random
+        import time
+        import uuid
+
+        for unpack in (
+            lambda t: t / 2 * random.random(),
+            lambda t: t / 2 * random.uniform(1.0, 2.0),
+            lambda t: t / 2 * (time.time() % 1.0),
+            lambda t: t / 2 * len(str(uuid.uuid4())),
+            lambda t: t / 2 * len(os.urandom(4)),
+        ):
+            reasons = hook_utils.unkeyable_reasons(inlineable(deps.pack, unpack))
+            self.assertTrue(reasons, unpack)
+            self.assertIn("changes at every call", reasons[0])
+        with self.assertRaisesRegex(Exception, "changes at every call"):
+            step(torch.compile(fn, backend="aot_eager", fullgraph=True), inlineable(deps.pack, lambda t: t * random.random()), device)
+
+    def test_constant_getattr_keys_only_named_attributes(self, device):
+        # getattr with a constant name reads one attribute, which is keyed; a computed name
+        # keys every attribute of the module (computed_attribute_name kind).
+        from torch_patches._hook_identity import ALL_ATTRS, _code_info
+
+        def constant(t):
+            return t * getattr(identity_cfg, "SCALE", 1.0) * getattr(identity_cfg.nested, "inner").scale
+
+        def computed(t, name="SCALE"):
+            return t * getattr(identity_cfg, name)
+
+        self.assertNotIn(ALL_ATTRS, _code_info(constant.__code__).names)
+        self.assertIn(ALL_ATTRS, _code_info(computed.__code__).names)
+        for dynamic in (lambda t: t * vars(identity_cfg)["SCALE"], lambda t: t * identity_cfg.__dict__["SCALE"],
+                        lambda t: t * globals()["GLOBAL_NAME"]):
+            self.assertIn(ALL_ATTRS, _code_info(dynamic.__code__).names)
+
+    def test_dynamic_import_is_not_inlined(self, device):
+        import importlib
+
+        def unpack(t):
+            return t / 2 * importlib.import_module("identity_imported").SCALE
+
+        reasons = hook_utils.unkeyable_reasons(inlineable(deps.pack, unpack))
+        self.assertTrue(any("imports a module named at run time" in r for r in reasons), reasons)
+
     def test_print_is_reported_without_touching_streams(self, device):
         def pack(t):
             print("packing")
@@ -342,6 +388,9 @@ CROSS_PROCESS_KINDS = (
     "callable_instance",
     "fx_wrap_leaf_code",
     "big_tensor_inplace",
+    "computed_attribute_name",
+    "module_imported_in_body",
+    "environ",
 )
 
 

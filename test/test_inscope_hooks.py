@@ -283,6 +283,26 @@ class GraphModule(torch.nn.Module):
         self.assertGradsEqual(grads[-1], expected, exact=True)
         self.assertFalse(torch.equal(grads[0][1], grads[-1][1]))
 
+    def test_config_change_recompiles_scope(self, device):
+        # The scope's guard holds the whole torch_patches config, as the ambient hooks' does:
+        # a knob that changes what the inliner does with the scope recompiles once.
+        def fn(x, w1, w2, w3):
+            with torch.autograd.graph.saved_tensors_hooks(*QUARTER):
+                h = block(x, w1, w2)
+            return h @ w3
+
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        x, ws = inputs(device)
+        grads_of(compiled, x, ws)
+        grads_of(compiled, x, ws)
+        self.assertEqual(counter.frame_count, 1)
+        with torch_patches.config.patch(hook_placement="boundary"):
+            grads_of(compiled, x, ws)
+        self.assertEqual(counter.frame_count, 2)
+        grads_of(compiled, x, ws)  # back to the first config: its graph is still cached
+        self.assertEqual(counter.frame_count, 2)
+
 
 # ------------------------------------------------------------------ untraceable hooks
 

@@ -27,22 +27,40 @@ the way its code reads the world and sorts every dependency into one of three ou
 Why our own walk rather than Dynamo's guards: ambient hooks (entered around the compiled
 call) are not reachable from the frame Dynamo traces, so there is no Dynamo source to
 hang guards on; and the compile caches need a key *before* AOTAutograd traces the hook.
-The walk is conservative where a source-based guard would be precise: it keys *all* state
-of user objects and classes it reaches (not just the attributes read), all attributes of
-user modules whose names occur in any reachable code (``co_names`` and string constants,
-so ``getattr(mod, "NAME")`` is seen too), and it treats installed libraries (torch, the
-standard library, numpy) as fixed by their version: their functions and classes are keyed
-by qualified name, their module-level plain values (``math.pi``, ``torch.bfloat16``) by
-value.  Monkeypatching library functions at runtime is not seen.
+The walk is conservative where a source-based guard would be precise:
+
+* it keys *all* state of user objects and classes it reaches (not just the attributes read);
+* of a user module it keys the attributes whose names occur in any reachable code
+  (``co_names`` and string constants, so ``getattr(mod, "NAME")`` is seen too), and *every*
+  attribute once reachable code reads attributes by a computed name (``getattr(obj, name)``
+  with a non-constant ``name``, ``vars()``, ``globals()``, ``__dict__``, ``attrgetter``);
+* modules a hook imports in its body (``import cfg`` inside the function) are walked like
+  its globals; a hook that imports by a computed name (``importlib.import_module``,
+  ``__import__``) is not keyable;
+* installed libraries (torch, the standard library, numpy, other site-packages) are fixed
+  by their version: their functions and classes are keyed by qualified name and the
+  distribution's version (torch's and Python's are in every compile-cache key already),
+  their module-level data that the code names by value (``math.pi``, ``torch.bfloat16``,
+  ``os.environ``, dicts and lists).  Monkeypatching a library function at runtime is not
+  seen;
+* functions whose result changes at every call (``random``, ``time``, ``uuid``,
+  ``secrets``, ``numpy.random``, ``os.urandom``, ``datetime.now``) make a hook not keyable:
+  a compiled graph would replay the one value seen while tracing;
+* torch_patches' own functions (the ready-made hooks) are keyed by qualified name and a
+  digest of the package's source, with their closures and defaults by value (what a
+  factory such as ``bf16(where=...)`` was called with): the guard does not re-walk our
+  code at every call.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import functools
 import hashlib
 import io
+import os
 import sys
 import types
 import weakref
@@ -72,15 +90,105 @@ _REPR_ATOMS = (
 _LIBRARY_ROOTS = frozenset({"torch", "numpy", "typing_extensions", "sympy", "triton"})
 # Builtins whose call in a hook is I/O: a hook that reaches them is not inlined.
 _IO_BUILTINS = frozenset({"print", "open", "input", "breakpoint", "exec", "eval", "compile"})
+# Names whose use means code reads attributes by a computed name: every attribute of the
+# user modules it reaches is keyed (the ``ALL_ATTRS`` marker among the walk's names).
+_DYNAMIC_ATTR_NAMES = frozenset(
+    {"vars", "globals", "locals", "__dict__", "__getattribute__", "attrgetter", "getattr_static"}
+)
+# Builtins that read an attribute named by their second argument.
+_GETATTR_BUILTINS = frozenset({"getattr", "hasattr"})
+# Names whose use imports a module named at run time: the walk cannot tell which.
+_DYNAMIC_IMPORT_NAMES = frozenset({"__import__", "import_module"})
+ALL_ATTRS = "<any attribute>"
+# Library modules whose functions return a new value at every call (random numbers, clocks,
+# identifiers): a compiled graph would replay the value seen while tracing.
+_VOLATILE_MODULES = ("random", "secrets", "uuid", "time", "numpy.random")
+_VOLATILE_NAMES = {
+    "posix": frozenset({"urandom", "getrandom"}),
+    "nt": frozenset({"urandom"}),
+    "os": frozenset({"urandom", "getrandom"}),
+    "datetime": frozenset({"now", "today", "utcnow"}),
+}
 
 
 def _is_library_module(name: str | None) -> bool:
     """Whether ``name`` is a module of an installed library (keyed by name, not content)."""
     if not name:
         return False
-    if name == "torch_patches" or name.startswith("torch_patches."):
-        return False  # our own hooks are keyed by content like the user's
+    if _is_own_module(name):
+        return False  # keyed by name, source digest and closures (_Walker.own_function)
     return _is_library_root(name.split(".", 1)[0])
+
+
+_OWN_ROOT = __name__.split(".", 1)[0]
+
+
+def _is_own_module(name: str | None) -> bool:
+    """A module of this package (torch_patches; never torch itself, in the upstream form)."""
+    if not name or _OWN_ROOT == "torch":
+        return False
+    return name == _OWN_ROOT or name.startswith(_OWN_ROOT + ".")
+
+
+@functools.lru_cache(maxsize=1)
+def own_source_digest() -> str:
+    """Digest of this package's Python sources: what our own code does, across processes.
+
+    Part of every compile-cache key of hooks (``hooks_cache_key``), so entries written by
+    another version of torch_patches are never served.  Empty in the upstream form (torch's
+    version keys torch's own code).
+    """
+    if _OWN_ROOT == "torch":
+        return ""
+    root = os.path.dirname(os.path.abspath(sys.modules[_OWN_ROOT].__file__ or ""))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=256)
+def _library_version(module: str) -> str:
+    """The installed version of the distribution providing ``module`` ("" for the standard
+    library and builtins, whose code Python's version fixes)."""
+    root = module.split(".", 1)[0]
+    if root in sys.stdlib_module_names or root in ("builtins", "posix", "nt"):
+        return ""
+    if root == "torch":
+        return torch.__version__
+    import importlib.metadata
+
+    try:
+        names = importlib.metadata.packages_distributions().get(root) or [root]
+        return ",".join(f"{n}=={importlib.metadata.version(n)}" for n in sorted(set(names)))
+    except Exception:  # noqa: BLE001 - no metadata: the module's file stands for its version
+        path = getattr(sys.modules.get(root), "__file__", None)
+        return f"file:{path}" if path else "unknown"
+
+
+def _volatile_name(v: Any) -> str | None:
+    """``module.name`` if calling ``v`` returns a new value each time (see _VOLATILE_MODULES)."""
+    owner = getattr(v, "__self__", None)
+    module = getattr(v, "__module__", None)
+    if isinstance(owner, types.ModuleType):
+        module = owner.__name__
+    elif isinstance(owner, type):
+        module = owner.__module__
+    elif owner is not None and module in (None, "builtins"):
+        module = type(owner).__module__
+    if not isinstance(module, str):
+        return None
+    name = getattr(v, "__qualname__", None) or getattr(v, "__name__", None) or type(v).__name__
+    short = str(name).rsplit(".", 1)[-1]
+    if any(module == m or module.startswith(m + ".") for m in _VOLATILE_MODULES) or short in _VOLATILE_NAMES.get(module, ()):
+        return f"{module}.{name}"
+    return None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -176,6 +284,7 @@ class _Walker:
             return ("descriptor", v.__objclass__.__qualname__, v.__name__)  # a slot, by name
         if isinstance(v, (types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
                           types.MethodWrapperType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            self.volatile(v)
             owner = getattr(v, "__self__", None)
             named = ("builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v)))
             if owner is None or isinstance(owner, types.ModuleType):
@@ -216,40 +325,86 @@ class _Walker:
         )
         return meta + ("identity", id(t), t._version)
 
+    def volatile(self, v: Any) -> None:
+        name = _volatile_name(v)
+        if name is not None:
+            self.unkeyable.append(
+                f"it calls {name}, whose result changes at every call: a compiled graph would "
+                "replay the value seen while tracing"
+            )
+
     def code(self, co: types.CodeType, depth: int) -> Any:
-        key, names, io = _code_key(co)
-        self.names.update(names)
-        self.unkeyable.extend(io)
-        return key
+        info = _code_info(co)
+        self.names.update(info.names)
+        self.unkeyable.extend(info.unkeyable)
+        return info.key
 
     def function(self, fn: types.FunctionType, depth: int) -> Any:
-        if _is_library_module(fn.__module__):
-            return ("lib-function", fn.__module__, fn.__qualname__)
+        module = fn.__module__
+        if _is_library_module(module):
+            self.volatile(fn)
+            if module == "os" and fn.__name__ in ("getenv", "getenvb"):
+                # Reads the environment: keyed by its content (as os.environ is).
+                return ("lib-function", module, fn.__qualname__, ("environ", self.value(dict(os.environ), depth)))
+            return ("lib-function", module, fn.__qualname__, _library_version(module or ""))
         closure = tuple(
             self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
             for cell in (fn.__closure__ or ())
         )
+        state = (
+            self.value(fn.__defaults__, depth),
+            self.value(fn.__kwdefaults__, depth),
+            closure,
+            self.value(_instance_dict(fn), depth),  # attributes set on the function
+        )
+        if _is_own_module(module):
+            # Our own code is fixed for a given package source; what it was built with
+            # (closures, defaults: a factory's arguments, a user's predicate) is keyed.
+            return ("own-function", module, fn.__qualname__, own_source_digest(), state)
         globs: list[Any] = []
         for name in sorted(_global_names(fn.__code__)):
             if name in fn.__globals__:
                 globs.append((name, self.value(fn.__globals__[name], depth)))
             else:
                 globs.append((name, "builtin"))
+        if ALL_ATTRS in self.attrs:
+            # Code that reads attributes by a computed name may read any global.
+            globs.append((ALL_ATTRS, self.namespace(fn.__globals__, depth)))
+        imported = []
+        for level, name in _code_info(fn.__code__).imports:
+            target = _resolve_import(level, name, fn.__globals__)
+            for mod_name in (target, target.split(".", 1)[0]) if target else ():
+                mod = sys.modules.get(mod_name)
+                if mod is not None:
+                    imported.append((mod_name, self.value(mod, depth)))
         return (
             "function",
-            fn.__module__,
+            module,
             fn.__qualname__,
             self.code(fn.__code__, depth),
-            self.value(fn.__defaults__, depth),
-            self.value(fn.__kwdefaults__, depth),
-            closure,
+            state,
             tuple(globs),
-            self.value(_instance_dict(fn), depth),  # attributes set on the function
+            tuple(imported),
         )
+
+    def namespace(self, ns: dict[str, Any], depth: int) -> Any:
+        """Every entry of a user module's namespace but its dunders (import machinery)."""
+        before = len(self.unkeyable)
+        key = tuple(
+            (k, self.value(v, depth)) for k, v in sorted(ns.items()) if not (k.startswith("__") and k.endswith("__"))
+        )
+        self.unkeyable[before:] = [
+            f"{reason} (every global of module {ns.get('__name__', '?')!r} is keyed: the hook reads "
+            "attributes by a computed name, e.g. getattr(obj, name) with a non-constant name)"
+            for reason in self.unkeyable[before:]
+        ]
+        return key
 
     def module(self, m: types.ModuleType, depth: int) -> Any:
         name = m.__name__
-        library = _is_library_module(name)
+        library = _is_library_module(name) or _is_own_module(name)
+        if not library and ALL_ATTRS in self.attrs:
+            return ("module", name, False, self.namespace(m.__dict__, depth))
         entries = []
         for attr in sorted(self.attrs):
             if attr not in m.__dict__:
@@ -260,6 +415,14 @@ class _Walker:
                     entries.append((attr, self.value(v, depth)))
                 elif isinstance(v, io.IOBase) or any(v is s for s in (sys.stdout, sys.stderr, sys.stdin)):
                     self.unkeyable.append(f"it has side effects (uses {name}.{attr})")
+                elif isinstance(v, (dict, list, set, frozenset, tuple)):
+                    entries.append((attr, self.value(v, depth)))  # module-level data
+                elif isinstance(v, collections.abc.Mapping) and not isinstance(v, type):
+                    entries.append((attr, ("mapping", self.value(dict(v), depth))))  # os.environ
+                elif isinstance(v, types.FunctionType):
+                    entries.append((attr, self.function(v, depth)))  # version, volatility
+                elif callable(v) and not isinstance(v, type):
+                    self.volatile(v)
                 # Library functions, classes, submodules: fixed by the library's version.
                 continue
             entries.append((attr, self.value(v, depth)))
@@ -267,7 +430,9 @@ class _Walker:
 
     def cls(self, c: type, depth: int) -> Any:
         if _is_library_module(c.__module__):
-            return ("lib-class", c.__module__, c.__qualname__)
+            return ("lib-class", c.__module__, c.__qualname__, _library_version(c.__module__))
+        if _is_own_module(c.__module__):
+            return ("own-class", c.__module__, c.__qualname__, own_source_digest())
         # A user class: everything in its (and its user bases') namespace.
         mro = []
         for base in c.__mro__:
@@ -355,27 +520,78 @@ def _global_names(co: types.CodeType) -> frozenset[str]:
     return frozenset(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _CodeInfo:
+    key: Any
+    #: Names the code may read as attributes (``ALL_ATTRS``: any, by a computed name).
+    names: frozenset[str]
+    #: Why the code cannot be keyed (I/O, dynamic imports).
+    unkeyable: tuple[str, ...]
+    #: Modules the code imports: (level, name) of each ``import``.
+    imports: tuple[tuple[int, str], ...]
+
+
+_SIMPLE_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CONST",
+                           "LOAD_CLOSURE", "LOAD_FAST_BORROW"})
+_CALLS = frozenset({"CALL", "CALL_FUNCTION", "PRECALL"})
+
+
+def _constant_name_call(ins: list[Any], i: int) -> bool:
+    """Whether the ``getattr``/``hasattr`` loaded at ``ins[i]`` is called as
+    ``getattr(<name or attribute chain>, "CONSTANT"[, <constant>])``.  Anything else (a
+    computed name, an object made by a call, the builtin passed as a value) is not: the
+    caller then keys every attribute (conservative)."""
+    j = i + 1
+    if j >= len(ins) or ins[j].opname not in _SIMPLE_LOADS or "NULL" in ins[j].argrepr:
+        return False
+    j += 1
+    while j < len(ins) and ins[j].opname == "LOAD_ATTR" and "NULL" not in ins[j].argrepr:
+        j += 1
+    if j >= len(ins) or ins[j].opname != "LOAD_CONST" or not isinstance(ins[j].argval, str):
+        return False
+    argc = 2
+    j += 1
+    if j < len(ins) and ins[j].opname == "LOAD_CONST":
+        argc, j = 3, j + 1
+    if j < len(ins) and ins[j].opname == "PRECALL":
+        j += 1
+    return j < len(ins) and ins[j].opname in _CALLS and ins[j].arg == argc
+
+
 @functools.lru_cache(maxsize=8192)
-def _code_key(co: types.CodeType) -> tuple[Any, frozenset[str], tuple[str, ...]]:
-    """(key, names it may read as attributes, I/O reasons) of a code object and its nested code.
+def _code_info(co: types.CodeType) -> _CodeInfo:
+    """What a code object (and the code nested in it) reads, and its key.
 
     Code objects and their constants are immutable, so this is cached per code object.
     """
     import dis
 
     names = set(co.co_names)
-    io_reasons = [
-        f"it has side effects or runs dynamic code (calls {ins.argval}())"
-        for ins in dis.get_instructions(co)
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _IO_BUILTINS
-    ]
+    ins = list(dis.get_instructions(co))
+    reasons = []
+    imports = []
+    for i, instr in enumerate(ins):
+        if instr.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            name = instr.argval
+            if name in _IO_BUILTINS:
+                reasons.append(f"it has side effects or runs dynamic code (calls {name}())")
+            elif name in _GETATTR_BUILTINS and not _constant_name_call(ins, i):
+                names.add(ALL_ATTRS)
+        elif instr.opname == "IMPORT_NAME":
+            level = ins[i - 2].argval if i >= 2 and ins[i - 2].opname == "LOAD_CONST" else 0
+            imports.append((level if isinstance(level, int) else 0, instr.argval))
+    if names & _DYNAMIC_ATTR_NAMES:
+        names.add(ALL_ATTRS)
+    for name in sorted(names & _DYNAMIC_IMPORT_NAMES):
+        reasons.append(f"it imports a module named at run time ({name}), which the key cannot follow")
     consts: list[Any] = []
     for c in co.co_consts:
         if isinstance(c, types.CodeType):
-            key, inner_names, inner_io = _code_key(c)
-            names |= inner_names
-            io_reasons.extend(inner_io)
-            consts.append(key)
+            inner = _code_info(c)
+            names |= inner.names
+            reasons.extend(inner.unkeyable)
+            imports.extend(inner.imports)
+            consts.append(inner.key)
         else:
             if isinstance(c, str):
                 names.add(c)  # getattr(obj, "NAME")
@@ -390,7 +606,19 @@ def _code_key(co: types.CodeType) -> tuple[Any, frozenset[str], tuple[str, ...]]
         co.co_freevars,
         co.co_cellvars,
     )
-    return key, frozenset(names), tuple(io_reasons)
+    return _CodeInfo(key, frozenset(names), tuple(reasons), tuple(imports))
+
+
+def _resolve_import(level: int, name: str, globs: dict[str, Any]) -> str | None:
+    """The absolute name of ``import`` ``name`` at ``level`` in a module with ``globs``."""
+    if level == 0:
+        return name
+    import importlib.util
+
+    try:
+        return importlib.util.resolve_name("." * level + name, globs.get("__package__") or "")
+    except (ImportError, ValueError):
+        return None
 
 
 def _const_key(c: Any) -> Any:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from torch_patches import _compile_facts
 from torch_patches._functorch._aot_autograd import utils as hook_utils
-from torch_patches._hook_identity import hook_identity
+from torch_patches._hook_identity import config_key, hook_identity
 
 
 def _source_name(source: Any) -> str:
@@ -31,18 +31,29 @@ def guard_hook_content(source: Any, fn: Any) -> None:
 
     Installed whether or not Dynamo also guards the source: Dynamo's own guard on a
     function is its identity, which does not see a module attribute or a captured object
-    the hook reads change.
+    the hook reads change.  The guard also holds the torch_patches config it was compiled
+    under, as the ambient hooks' guard does.
     """
     from torch._dynamo.guards import get_verbose_code_parts, install_guard
     from torch._guards import Guard
 
     expected = hook_identity(fn)
+    # The whole torch_patches config, as for ambient hooks: a knob changes what the inliner
+    # does with the scope's hooks (placement, which tensors a lossy hook compresses).
+    expected_config = config_key()
 
     def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
-        code = [f"torch_patches saved tensors hook key of {_source_name(source)} == {expected.digest!r}"]
+        code = [
+            f"torch_patches saved tensors hook key of {_source_name(source)} == {expected.digest!r}"
+            " and torch_patches.config unchanged"
+        ]
 
         def check(value: Any) -> bool:
-            return hook_utils.is_inlineable_hook(value) and hook_identity(value).same_as(expected)
+            return (
+                hook_utils.is_inlineable_hook(value)
+                and hook_identity(value).same_as(expected)
+                and config_key() == expected_config
+            )
 
         check.pins = expected.pins  # type: ignore[attr-defined]  # alive as long as the guard
         builder.get_guard_manager(guard).add_lambda_guard(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_identity import config_key, digest, hook_identity
+from torch_patches._hook_identity import config_key, digest, hook_identity, own_source_digest
 
 
 #: Attribute set on a plain function by ``torch_patches.hooks.inlineable``.
@@ -115,7 +115,9 @@ def hooks_cache_key(pack: Any, unpack: Any) -> tuple[str | None, list[str]]:
     reasons = [r for i in idents for r in i.local + i.unkeyable]
     if reasons:
         return None, list(dict.fromkeys(reasons))
-    return _digest((idents[0].key, idents[1].key, config_key())), []
+    # Our own source is part of the key: an entry written by another torch_patches is never
+    # served (it may have inlined differently).
+    return _digest((idents[0].key, idents[1].key, config_key(), own_source_digest())), []
 
 
 def unkeyable_reasons(hooks: Any) -> list[str]:
