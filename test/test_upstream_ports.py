@@ -100,6 +100,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_utils import parametrize
 
 import torch_patches.config as tp_config
+from torch_patches.hooks import inlineable
 from common_hooks import check_placed_at_use
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
@@ -665,6 +666,17 @@ class GraphModule(torch.nn.Module):
 # ------------------------------------------------------ test_aot_autograd_cache.py
 
 
+def _double(x):
+    return x * 2
+
+
+def _halve(x):
+    return x / 2
+
+
+IN_REGION_HOOKS = inlineable(_double, _halve)
+
+
 class TestAOTAutogradCacheHooks(TestCase):
     """AOTAutogradCache with hooks. Inductor (the cache's backend) in a cache dir of its own."""
 
@@ -819,6 +831,29 @@ class TestAOTAutogradCacheHooks(TestCase):
         with tp_config.patch(hook_placement="boundary"):
             self.run_step(f, inp_fn, hooks)
         self.assertCache(miss=2)
+
+    # The same for hooks entered inside the compiled region: their scope's key is the same
+    # function of the hooks and the whole config as the ambient hooks'.
+    def test_cache_key_of_in_region_scope_includes_torch_patches_config(self, device):
+        def fn(x, w):
+            with torch.autograd.graph.saved_tensors_hooks(*IN_REGION_HOOKS):
+                h = (x @ w).sin()
+            return h @ w
+
+        def inp_fn():
+            return torch.randn(4, 8, device=device, requires_grad=True)
+
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        f = torch.compile(lambda x: fn(x, w), backend="inductor", fullgraph=True)
+        self.run_step(f, inp_fn, None)
+        self.assertCache(miss=1)
+        torch._dynamo.reset()
+        self.run_step(f, inp_fn, None)
+        self.assertCache(miss=1, hit=1)
+        torch._dynamo.reset()
+        with tp_config.patch(hook_placement="boundary"):
+            self.run_step(f, inp_fn, None)
+        self.assertCache(miss=2, hit=1)
 
     def _eager_fallback_step(self, device, *, backward_thread):
         """Compile (fresh Dynamo) and run a graph whose untraceable hooks fall back to eager;
