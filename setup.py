@@ -26,6 +26,10 @@ setup(
         "test": ["pytest>=7", "expecttest>=0.2", "hypothesis>=6", "numpy"],
         "upstream": ["ghstack"],
         # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs.
+        # Their timm ViT needs timm installed apart, `pip install --no-deps timm`: timm
+        # requires torchvision, whose PyPI wheels are CUDA builds pinned to one torch release,
+        # so resolving it here would replace a CPU torch (2.13.0+cpu -> 2.15.0 with CUDA
+        # libraries); the test imports timm without torchvision.
         "models": ["transformers>=4.50"],
     },
     entry_points={"console_scripts": ["torch-patches=torch_patches.__main__:main"]},
