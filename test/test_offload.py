@@ -117,7 +117,7 @@ class TestOffloadOps(TestCase):
             torch.randn(2, 3, device=device, dtype=torch.complex64),
         ]
         for x in cases:
-            with self.subTest(dtype=x.dtype, shape=tuple(x.shape), stride=x.stride()):
+            with self.subTest(dtype=str(x.dtype), shape=tuple(x.shape), stride=x.stride()):
                 cpu = ops.offload(x, True)
                 self.assertEqual(cpu.device, torch.device("cpu"))
                 self.assertEqual((cpu.dtype, cpu.shape), (x.dtype, x.shape))
