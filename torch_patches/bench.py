@@ -1,6 +1,7 @@
 """Peak-memory and step-time benchmark of saved-tensor hooks under torch.compile.
 
-Every case runs in its own subprocess (fresh compile caches, clean memory accounting),
+Every case runs in its own subprocess (an empty compile cache directory of its own, so
+``compile s`` is a cold compile; clean memory accounting),
 and all cases of one invocation are reported side by side, as ratios against the
 no-hooks row of the same model and backend.
 
@@ -33,6 +34,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -377,13 +379,18 @@ def run_in_subprocess(case: Case, timeout: float = 900) -> dict[str, Any]:
     # Fixed mmap threshold: large tensors are mmap-backed and their memory really
     # leaves the RSS when freed (glibc's dynamic threshold would keep it).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_patches.bench", "--worker", json.dumps(dataclasses.asdict(case))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    with tempfile.TemporaryDirectory(prefix="torch_patches_bench_") as cache_dir:
+        # A compile cache of its own: every row compiles cold, so `compile s` compares
+        # compilers, not what an earlier row or run left on disk.
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_patches.bench", "--worker", json.dumps(dataclasses.asdict(case))],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     if proc.returncode != 0:
         return {"case": dataclasses.asdict(case), "label": case.label, "error": _exception_line(proc.stderr)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
