@@ -116,7 +116,7 @@ def _is_library_module(name: str | None) -> bool:
     if not name:
         return False
     if _is_own_module(name):
-        return False  # keyed by name, source digest and closures (_Walker.own_function)
+        return False  # keyed by name, source digest and closures (_Walker.function)
     return _is_library_root(name.split(".", 1)[0])
 
 
@@ -153,11 +153,14 @@ def own_source_digest() -> str:
     return h.hexdigest()[:24]
 
 
-@functools.lru_cache(maxsize=256)
 def _library_version(module: str) -> str:
     """The installed version of the distribution providing ``module`` ("" for the standard
     library and builtins, whose code Python's version fixes)."""
-    root = module.split(".", 1)[0]
+    return _root_version(module.split(".", 1)[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _root_version(root: str) -> str:
     if root in sys.stdlib_module_names or root in ("builtins", "posix", "nt"):
         return ""
     if root == "torch":
@@ -165,11 +168,19 @@ def _library_version(module: str) -> str:
     import importlib.metadata
 
     try:
-        names = importlib.metadata.packages_distributions().get(root) or [root]
+        names = _distributions().get(root) or [root]
         return ",".join(f"{n}=={importlib.metadata.version(n)}" for n in sorted(set(names)))
     except Exception:  # noqa: BLE001 - no metadata: the module's file stands for its version
         path = getattr(sys.modules.get(root), "__file__", None)
         return f"file:{path}" if path else "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> Any:
+    """Top-level module -> distributions providing it (scans the installed metadata once)."""
+    import importlib.metadata
+
+    return importlib.metadata.packages_distributions()
 
 
 def _volatile_name(v: Any) -> str | None:
