@@ -357,7 +357,7 @@ class _Walker:
             if module == "os" and fn.__name__ in ("getenv", "getenvb"):
                 # Reads the environment: keyed by its content (as os.environ is).
                 return ("lib-function", module, fn.__qualname__, ("environ", self.value(dict(os.environ), depth)))
-            return ("lib-function", module, fn.__qualname__, _library_version(module or ""))
+            return ("lib-function", module, fn.__qualname__, _library_version(module))
         closure = tuple(
             self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
             for cell in (fn.__closure__ or ())
@@ -384,7 +384,8 @@ class _Walker:
         imported = []
         for level, name in _code_info(fn.__code__).imports:
             target = _resolve_import(level, name, fn.__globals__)
-            for mod_name in (target, target.split(".", 1)[0]) if target else ():
+            # The module itself and the package the name binds (``import a.b`` binds ``a``).
+            for mod_name in dict.fromkeys((target, target.split(".", 1)[0])) if target else ():
                 mod = sys.modules.get(mod_name)
                 if mod is not None:
                     imported.append((mod_name, self.value(mod, depth)))
