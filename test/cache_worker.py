@@ -49,6 +49,8 @@ def build_hooks(spec):
         return hooks.cpu_offload(pin_memory=False)
     if spec["hook"] == "fp8_rowwise+cpu_offload":
         return hooks.chain(hooks.fp8_rowwise(), hooks.cpu_offload(pin_memory=False))
+    if spec["hook"] == "budget":
+        return hooks.budget(spec["budget"])
     if spec["hook"] == "leaf":
         if spec.get("leaf_hash"):
             cache_hash(spec["leaf_hash"])(leaf_scale)
@@ -58,6 +60,11 @@ def build_hooks(spec):
 
 def model(x, w):
     return torch.nn.functional.linear(x, w).sin().cos()
+
+
+def mlp(x, w):
+    # What a budget plans: relu's output, read by the second matmul's backward.
+    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w)), w)
 
 
 HOOKS = None  # for "in_region": the hooks entered inside the compiled function
@@ -84,6 +91,11 @@ def main():
         if spec.get("in_region"):
             HOOKS = build_hooks(spec)
             out = torch.compile(model_in_region, backend=spec["backend"], fullgraph=True)(x, w)
+        elif spec["hook"] == "none":  # e.g. config.activation_memory_budget
+            out = torch.compile(mlp, backend=spec["backend"])(x, w)
+        elif spec["hook"] == "budget":
+            with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
+                out = torch.compile(mlp, backend=spec["backend"])(x, w)
         else:
             with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
                 out = torch.compile(model, backend=spec["backend"])(x, w)

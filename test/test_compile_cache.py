@@ -85,6 +85,29 @@ class TestCompileCache(TestCase):
                 # Python hook re-run on the packed tensors would change the gradients.
                 self.assertSameGrads(second, first)
 
+    def test_changed_budget_misses_once(self):
+        # The plan is a function of the budget: a changed budget misses (and plans anew),
+        # the same budget hits, in the hook form and the config form alike.
+        for form in ("hook", "config"):
+            with self.subTest(form=form):
+                self.cache_dir.cleanup()
+                os.makedirs(self.cache_dir.name)
+
+                def step(fraction):
+                    if form == "hook":
+                        return self.step(hook="budget", budget=fraction)
+                    return self.step(hook="none", config={"activation_memory_budget": fraction})
+
+                half = step(0.5)
+                self.assertCache(half, "miss")
+                self.assertCache(step(0.5), "hit")
+                whole = step(1.0)  # everything fits: nothing compressed
+                self.assertCache(whole, "miss")
+                # w's gradient reads relu's output, which 0.5 stores as fp8.
+                self.assertFalse(torch.allclose(whole["grads"][1], half["grads"][1]))
+                self.assertCache(step(1.0), "hit")
+                self.assertSameGrads(step(0.5), half)
+
     def test_changed_constant_misses_and_new_hook_runs(self):
         two = self.step(scale=2.0)
         self.assertCache(two, "miss")

@@ -11,6 +11,12 @@ Rows (``mode``):
                 compiled graph's saved tensors (eager semantics)
   stock-inline  GraphModule hooks inlined by stock torch (torch_patches not applied)
   ours          GraphModule hooks inlined by torch_patches (placed at use)
+  budget        ``--budget F``: torch_patches applied, hooks ``torch_patches.hooks.budget(F)``
+                (the activation-memory budget planner; hook column ``budget F``)
+  stock-budget  ``--budget F``: torch_patches not applied, no hooks, stock torch's
+                ``torch._functorch.config.activation_memory_budget = F`` (min-cut
+                rematerialization, which aot_eager and inductor both partition with) set
+                around compilation and steps (hook column ``amb F``)
 
 Peak memory: on CUDA ``max_memory_allocated`` above the pre-step base; on CPU the RSS
 high-water mark of one step above the pre-step RSS (``/proc/self/clear_refs`` = 5 resets
@@ -21,6 +27,36 @@ and freed memory really leaves the RSS).
 (the lossy hooks' ``numerics_safe`` default: RoPE angles, statistics...), per step, from
 the inliner's log. ``--models llama`` is Hugging Face Llama built from a config (hidden
 ``--dim``, ``--blocks`` layers, 256-token sequences, ``--batch`` tokens per step).
+
+``step ms``: median of ``--steps`` steps; ``peak x`` / ``time x``: against the no-hooks row
+of the same model and backend (budget rows included).
+
+``saved MiB``: the bytes the autograd graph holds for backward at the end of the forward of
+one (untimed, warm) step, counted exactly, not from the RSS (:func:`saved_bytes`): the graph
+is walked from the output's ``grad_fn`` through ``next_functions``; a compiled function's
+backward node (an autograd.Function ctx) gives ``saved_tensors`` and the tensors it keeps as
+attributes (AOT's ``_tensors_no_vc_check``), any other node its ``_saved_*`` tensors. Each
+storage counts once; the model's parameters, buffers and the input are left out. Hooks
+inlined into a compiled graph (``ours``, ``stock-inline``, ``budget``) save their packed
+tensors there, so the walk sees what is really kept. Runtime hooks (``eager-hooks``) hide
+their packed values from the walk (reading a saved tensor would unpack it), so that row
+counts the tensors in what ``pack`` returned during that forward instead. Host memory
+(``cpu_offload``) counts too.
+
+``plan MiB`` (rows ``budget``): the planner's predicted saved bytes, summed over the
+``budget plan (...)`` lines the inliner logs for the compile's graphs. ``floor MiB`` (rows
+``budget``): ``peak - (parameter-gradient bytes + plan + largest block working set)``, what
+the peak holds beyond the part a budget cannot remove (the gradients) or chose to keep (the
+plan) and the one block whose backward runs at a time. The block working set is a formula
+over exact counts, not a measured peak: each block (the ``Sequential``'s children, Llama's
+decoder layers) is run once eagerly, without hooks, on the input it gets in the model; its
+set is the bytes it saves for backward (:func:`saved_bytes`, its parameters and its input
+left out: the plan holds its input) plus the bytes of its output (the incoming gradient) and
+of its differentiable input (the outgoing gradient). The largest over blocks is used. It is
+an estimate with known errors both ways: the tensors of that block the plan keeps are counted
+in both the plan and the set (high: the floor can come out negative), the gradients of
+intermediates inside the block are not counted (low). A floor near zero or below means the
+peak is explained by those three terms. ``-`` when the compile logged no plan line.
 """
 
 from __future__ import annotations
@@ -41,6 +77,8 @@ from typing import Any
 
 
 MODES = ("no-hooks", "eager-hooks", "stock-inline", "ours")
+#: Rows ``--budget F`` adds (one pair per fraction F), beside ``MODES``.
+BUDGET_MODES = ("budget", "stock-budget")
 
 #: torch_patches.hooks factories the benchmark can run (besides the plain bf16/fp8 casts).
 LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise", "cpu_offload")
@@ -76,11 +114,32 @@ class Case:
     blocks: int = 8
     steps: int = 5
     reorder_for_peak_memory: bool = True
+    #: Modes ``budget`` / ``stock-budget``: the activation-memory budget, a fraction in (0, 1]
+    #: of the bytes the compiled graph saves without hooks. None for every other mode.
+    budget: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode in BUDGET_MODES) != (self.budget is not None):
+            raise ValueError(
+                f"mode {self.mode!r} with budget={self.budget!r}: "
+                f"a budget goes with, and only with, modes {BUDGET_MODES}"
+            )
+        if self.budget is not None and not 0 < self.budget <= 1:
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
 
     @property
     def label(self) -> str:
-        hook = "-" if self.mode == "no-hooks" else self.hook
-        return f"{self.model} {self.backend} {hook} {self.mode}"
+        return f"{self.model} {self.backend} {hook_column(dataclasses.asdict(self))} {self.mode}"
+
+
+def hook_column(case: dict[str, Any]) -> str:
+    """The ``hook`` column of a case (as a dict: results hold cases as JSON)."""
+    mode = case["mode"]
+    if mode == "budget":
+        return f"budget {case['budget']:g}"
+    if mode == "stock-budget":
+        return f"amb {case['budget']:g}"
+    return "-" if mode == "no-hooks" else case["hook"]
 
 
 # ---------------------------------------------------------------------- models
@@ -208,9 +267,15 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
     import torch
     import torch.fx
 
-    if case.mode == "no-hooks":
+    if case.mode in ("no-hooks", "stock-budget"):
         return None
     import torch_patches.hooks as library
+
+    if case.mode == "budget":
+        budget = getattr(library, "budget", None)
+        if budget is None:
+            raise RuntimeError("mode budget needs torch_patches.hooks.budget (the activation-memory budget planner)")
+        return budget(case.budget)
 
     if case.hook == "cpu_offload" and case.mode == "stock-inline":
         # The same ops as GraphModules, for stock inlining (which places every offload at
@@ -253,20 +318,154 @@ def _proc_status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-class _KeptBytes(logging.Handler):
-    """Sums the bytes of saved tensors the inliner reports as "not selected" while compiling
-    (the ``torch_patches`` artifact log: producer, bytes and reason per saved tensor)."""
+def _tensor_leaves(obj: Any) -> list[Any]:
+    """The tensors in ``obj`` (nested tuples, lists and dicts); a traceable wrapper subclass
+    (packed formats) is replaced by its inner tensors, which own the storage."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    _LINE = re.compile(r", (\d+) B, [^)]*\) left unhooked: not selected by")
+    out, todo = [], [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            if is_traceable_wrapper_subclass(o):
+                names, _ = o.__tensor_flatten__()
+                todo.extend(getattr(o, n) for n in names)
+            else:
+                out.append(o)
+        elif isinstance(o, (tuple, list)):
+            todo.extend(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+    return out
+
+
+def _storages(tensors: Iterable[Any]) -> dict[tuple[str, int], int]:
+    """(device, storage data_ptr) -> storage nbytes, each storage once."""
+    out = {}
+    for t in _tensor_leaves(list(tensors)):
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (e.g. a sparse or meta tensor)
+            continue
+        if st.nbytes():
+            out[(str(t.device), st.data_ptr())] = st.nbytes()
+    return out
+
+
+def tensor_bytes(tensors: Iterable[Any], exclude: Iterable[Any] = ()) -> int:
+    """Bytes of the storages of ``tensors`` (nested containers allowed), each storage once,
+    leaving out the storages of the tensors in ``exclude``."""
+    excluded = _storages(exclude)
+    return sum(n for key, n in _storages(tensors).items() if key not in excluded)
+
+
+def saved_tensors_of(node: Any) -> list[Any]:
+    """The tensors one autograd node keeps for its backward. Reading a saved tensor unpacks
+    it: under runtime saved-tensor hooks this returns (and allocates) unpacked tensors."""
+    import torch
+
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        # An autograd.Function's ctx (a compiled function's backward node): what it saved with
+        # save_for_backward, and tensors kept as attributes (AOT's _tensors_no_vc_check).
+        try:
+            saved = node.saved_tensors
+        except RuntimeError:  # freed: backward already ran
+            saved = ()
+        return _tensor_leaves([saved, list(vars(node).values())])
+    found = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                found.append(getattr(node, name))
+            except RuntimeError:  # freed (backward already ran) or not saved on this path
+                continue
+    return _tensor_leaves(found)
+
+
+def saved_bytes(output: Any, exclude: Iterable[Any] = ()) -> int:
+    """Bytes the autograd graph behind ``output`` (a tensor or a nested container of them)
+    holds for backward, counted exactly: every node reachable from the outputs' ``grad_fn``
+    through ``next_functions``, the tensors it saved (:func:`saved_tensors_of`), each
+    storage once, without the storages of ``exclude`` (parameters, inputs). Call it after
+    the forward and before backward."""
+    seen, todo, saved = set(), [], []
+    for t in _tensor_leaves(output):
+        if t.grad_fn is not None:
+            todo.append(t.grad_fn)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved.extend(saved_tensors_of(node))
+        todo.extend(fn for fn, _ in node.next_functions)
+    return tensor_bytes(saved, exclude)
+
+
+def _recording_pack(pack: Callable[[Any], Any], packed: list[Any]) -> Callable[[Any], Any]:
+    """``pack`` that also appends what it returns to ``packed`` (runtime hooks only)."""
+
+    def recording_pack(x: Any) -> Any:
+        out = pack(x)
+        packed.append(out)
+        return out
+
+    return recording_pack
+
+
+def blocks_of(model: Any, case: Case) -> list[Any]:
+    """The repeated blocks of a bench model: the Sequential's children, Llama's decoder layers."""
+    if case.model == "llama":
+        return list(model.model.model.layers)
+    return list(model)
+
+
+def block_working_set(model: Any, x: Any, blocks: list[Any]) -> int:
+    """Largest working set of one block's backward, from exact counts (module docstring):
+    for each block run eagerly (no hooks) on the input it gets in ``model(x)``, the bytes it
+    saves for backward (its parameters, buffers and inputs left out) + its output (incoming
+    gradient) + its differentiable inputs (outgoing gradient)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    inputs: dict[int, tuple[Any, Any]] = {}
+
+    def capture(i: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            inputs.setdefault(i, pytree.tree_map_only(
+                torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)
+            ))
+
+        return hook
+
+    handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        with torch.enable_grad():
+            model(x)  # records each block's real input; the graph is dropped at once
+    finally:
+        for h in handles:
+            h.remove()
+    best = 0
+    for i, block in enumerate(blocks):
+        args, kwargs = inputs.pop(i)
+        if "past_key_values" in kwargs:  # a replay must not grow a KV cache
+            kwargs = {**kwargs, "past_key_values": None, "use_cache": False}
+        out = block(*args, **kwargs)
+        diff_in = [t for t in _tensor_leaves((args, kwargs)) if t.requires_grad]
+        diff_out = [t for t in _tensor_leaves(out) if t.requires_grad]
+        exclude = (*block.parameters(), *block.buffers(), *_tensor_leaves((args, kwargs)))
+        best = max(best, saved_bytes(out, exclude) + tensor_bytes(diff_out) + tensor_bytes(diff_in))
+        del out
+    return best
+
+
+class _LogLines(logging.Handler):
+    """Base of handlers that read the inliner's lines on the ``torch_patches`` artifact log
+    (``torch._functorch._aot_autograd.graph_compile``) while compiling."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.total = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        m = self._LINE.search(record.getMessage())
-        if m:
-            self.total += int(m.group(1))
 
     @classmethod
     @contextlib.contextmanager
@@ -284,6 +483,42 @@ class _KeptBytes(logging.Handler):
             logger.setLevel(level)
 
 
+class _KeptBytes(_LogLines):
+    """Sums the bytes of saved tensors the inliner reports as "not selected" while compiling
+    (producer, bytes and reason per saved tensor)."""
+
+    _LINE = re.compile(r", (\d+) B, [^)]*\) left unhooked: not selected by")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = self._LINE.search(record.getMessage())
+        if m:
+            self.total += int(m.group(1))
+
+
+class _BudgetPlan(_LogLines):
+    """Sums the budget planner's summary lines, one per planned graph: planned (predicted
+    saved) bytes, saved bytes without hooks, budget bytes."""
+
+    _LINE = re.compile(r"budget plan \(([^)]*)\): (\d+) B planned of (\d+) B saved, budget (\d+) B")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs = 0
+        self.planned = self.saved = self.budget = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = self._LINE.search(record.getMessage())
+        if m:
+            self.graphs += 1
+            self.planned += int(m.group(2))
+            self.saved += int(m.group(3))
+            self.budget += int(m.group(4))
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Measure one case in this process."""
     import contextlib
@@ -294,7 +529,7 @@ def run_case(case: Case) -> dict[str, Any]:
 
     import torch_patches
 
-    if case.mode == "ours":
+    if case.mode in ("ours", "budget"):
         torch_patches.apply()
     else:
         torch_patches.unapply()
@@ -304,22 +539,37 @@ def run_case(case: Case) -> dict[str, Any]:
     if x.is_floating_point():
         x.requires_grad_(True)
     hooks = make_hooks(case)
-    inductor_cfg = contextlib.nullcontext()
+    configs = contextlib.ExitStack()
     if case.backend == "inductor":
         import torch._inductor.config as inductor_config
 
-        inductor_cfg = inductor_config.patch(reorder_for_peak_memory=case.reorder_for_peak_memory)
+        configs.enter_context(inductor_config.patch(reorder_for_peak_memory=case.reorder_for_peak_memory))
+    if case.mode == "stock-budget":
+        import torch._functorch.config as functorch_config
+
+        configs.enter_context(functorch_config.patch(activation_memory_budget=case.budget))
     counter = torch._dynamo.testing.CompileCounterWithBackend(case.backend)
     fn = torch.compile(model, backend=counter) if case.backend != "eager" else model
+    state = (*model.parameters(), *model.buffers(), x)
 
-    def step() -> None:
-        ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+    def step(measure_saved: bool = False) -> int | None:
+        """One training step; with ``measure_saved``, the bytes held for backward (or None)."""
+        active, packed = hooks, []
+        if measure_saved and hooks and case.mode == "eager-hooks":
+            # Runtime hooks: the walk would unpack; count what pack returned instead.
+            active = (_recording_pack(hooks[0], packed), hooks[1])
+        ctx = torch.autograd.graph.saved_tensors_hooks(*active) if active else contextlib.nullcontext()
         with ctx:
             y = fn(x)
+        saved = None
+        if measure_saved:
+            saved = tensor_bytes(packed, state) if active is not hooks else saved_bytes(y, state)
+            packed.clear()
         y.sum().backward()
         x.grad = None
         for p in model.parameters():
             p.grad = None
+        return saved
 
     cuda = case.device.startswith("cuda")
 
@@ -327,13 +577,13 @@ def run_case(case: Case) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
 
-    with inductor_cfg:
+    with configs:
         t0 = time.perf_counter()
-        with _KeptBytes.recording() as kept:
+        with _KeptBytes.recording() as kept, _BudgetPlan.recording() as plan:
             step()
         sync()
         compile_s = time.perf_counter() - t0
-        step()
+        saved = step(measure_saved=True)
         sync()
         gc.collect()
         if cuda:
@@ -356,6 +606,17 @@ def run_case(case: Case) -> dict[str, Any]:
             step()
             sync()
             times.append(time.perf_counter() - t)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    budget_row = {}
+    if case.mode == "budget":
+        block_ws = block_working_set(model, x, blocks_of(model, case))
+        budget_row = {
+            "plan_graphs": plan.graphs,
+            "plan_saved_bytes": plan.saved,
+            "plan_budget_bytes": plan.budget,
+            "block_ws_bytes": block_ws,
+            "floor_bytes": peak - (grad_bytes + plan.planned + block_ws) if plan.graphs else None,
+        }
     return {
         "case": dataclasses.asdict(case),
         "label": case.label,
@@ -366,6 +627,12 @@ def run_case(case: Case) -> dict[str, Any]:
         "frames_compiled": counter.frame_count if case.backend != "eager" else 0,
         # Saved tensors a selective hook (numerics_safe...) left uncompressed, per step.
         "kept_bytes": kept.total if case.mode == "ours" else None,
+        # Bytes the autograd graph holds for backward after one forward (saved_bytes).
+        "saved_bytes": saved,
+        "grad_bytes": grad_bytes,
+        # The budget planner's predicted saved bytes (its log lines; None: no line logged).
+        "plan_bytes": plan.planned if case.mode == "budget" and plan.graphs else None,
+        **budget_row,
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
     }
@@ -411,8 +678,12 @@ def cases_for(
     backends: Iterable[str],
     hooks: Iterable[str],
     modes: Iterable[str] = MODES,
+    budgets: Iterable[float] = (),
     **common: Any,
 ) -> list[Case]:
+    """No-hooks, then every hook x mode, then (``budgets``) a budget and a stock-budget row
+    per fraction, for each model and backend."""
+    modes, budgets = list(modes), list(budgets)
     out = []
     for model in models:
         for backend in backends:
@@ -421,6 +692,9 @@ def cases_for(
                 for mode in modes:
                     if mode != "no-hooks":
                         out.append(Case(model=model, backend=backend, hook=hook, mode=mode, **common))
+            for budget in budgets:
+                for mode in BUDGET_MODES:
+                    out.append(Case(model=model, backend=backend, hook="-", mode=mode, budget=budget, **common))
     return out
 
 
@@ -439,15 +713,20 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         r["time_ratio_min"] = r["step_min_s"] / b["step_min_s"]
 
 
+def _mib(n: int | None, width: int) -> str:
+    return f"{'-':>{width}s}" if n is None else f"{n / 2**20:{width}.2f}"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':12s} {'backend':9s} {'hook':23s} {'mode':13s} {'peak MiB':>9s} {'peak x':>7s} "
-        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s} {'kept MiB':>8s} {'compile s':>9s}"
+        f"{'step ms':>9s} {'time x':>7s} {'min x':>7s} {'frames':>6s} {'kept MiB':>8s} {'compile s':>9s} "
+        f"{'saved MiB':>9s} {'plan MiB':>8s} {'floor MiB':>9s}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         c = r["case"]
-        hook = "-" if c["mode"] == "no-hooks" else c["hook"]
+        hook = hook_column(c)
         if "error" in r:
             lines.append(f"{c['model']:12s} {c['backend']:9s} {hook:23s} {c['mode']:13s} ERROR {r['error']}")
             continue
@@ -459,8 +738,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{r['peak_bytes'] / 2**20:9.1f} {r.get('peak_ratio', float('nan')):7.2f} "
             f"{r['step_s'] * 1e3:9.1f} {r.get('time_ratio', float('nan')):7.2f} "
             f"{r.get('time_ratio_min', float('nan')):7.2f} {r['frames_compiled']:6d} "
-            f"{'-' if r.get('kept_bytes') is None else format(r['kept_bytes'] / 2**20, '8.2f'):>8s} "
-            f"{r.get('compile_s', float('nan')):9.2f}"
+            f"{_mib(r.get('kept_bytes'), 8)} "
+            f"{r.get('compile_s', float('nan')):9.2f} "
+            f"{_mib(r.get('saved_bytes'), 9)} {_mib(r.get('plan_bytes'), 8)} {_mib(r.get('floor_bytes'), 9)}"
         )
     return "\n".join(lines)
 
@@ -485,6 +765,20 @@ def run_all(cases: list[Case], *, progress: bool = True) -> list[dict[str, Any]]
     return results
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    """``--budget``: comma-separated fractions in (0, 1]."""
+    import argparse
+
+    try:
+        values = tuple(float(v) for v in text.split(",") if v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    bad = [v for v in values if not 0 < v <= 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"budgets are fractions in (0, 1], got {bad}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -501,6 +795,13 @@ def main(argv: list[str] | None = None) -> int:
         "or fp8_rowwise+cpu_offload (chained); NAME:all for a lossy library hook without its numerics-safe selection",
     )
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--budget",
+        type=_fractions,
+        default=(),
+        help="comma list of activation-memory budgets in (0, 1], e.g. 0.3,0.5,0.7: adds a budget row "
+        "(torch_patches.hooks.budget(F)) and a stock-budget row (activation_memory_budget=F) per fraction",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--dim", type=int, default=None)
@@ -536,8 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = cases_for(
         models=args.models.split(","),
         backends=args.backends.split(","),
-        hooks=args.hooks.split(","),
+        hooks=[h for h in args.hooks.split(",") if h],  # --hooks "": no hook rows
         modes=args.modes.split(","),
+        budgets=args.budget,
         **common,
     )
     results = run_all(cases)

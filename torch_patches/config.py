@@ -77,6 +77,25 @@ lossy_hooks_numerics_safe: bool = True
 # numerics_safe also leaves saved tensors smaller than this many bytes uncompressed.
 lossy_min_bytes: int = 0
 
+# Activation memory budget for every compiled graph that runs without other saved-tensors
+# hooks: a float in (0, 1] (a fraction of the bytes the graph saves for the backward
+# without hooks) or an int (bytes per graph). The inliner then plans, per saved tensor,
+# keep / bf16 / fp8 / CPU offload / fp8 + offload at the least estimated time
+# (torch_patches.hooks.budget, which is the same as a hook pair, also inside a compiled
+# region). None: no budget.
+activation_memory_budget: float | int | None = None
+
+# The budget plan's cost model (README, "Activation memory budget"). None: a default for
+# the saved tensors' device type (CPU / CUDA).
+# Device memory bandwidth, GB/s (defaults 20 / 2000).
+activation_budget_memory_bandwidth: float | None = None
+# Host link bandwidth for offload, GB/s (default: torch._functorch.config.activation_offload_cpu_gpu_bw).
+activation_budget_host_bandwidth: float | None = None
+# Compute throughput, TFLOP/s, to estimate how much compute hides a copy (0.2 / 400).
+activation_budget_flops: float | None = None
+# Fixed cost of one kernel, microseconds (2 / 5).
+activation_budget_kernel_overhead_us: float | None = None
+
 # When a hook cannot be inlined (untraceable) and the compile is not fullgraph:
 #  "warn" (default): keep eager hook semantics for that graph, with one warning.
 #  "error": raise, as under fullgraph=True.

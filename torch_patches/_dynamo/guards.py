@@ -22,7 +22,7 @@ from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
 def _current_state() -> tuple[Any, tuple[Any, ...]]:
-    return hook_utils.hooks_guard_state(hook_utils.top_saved_tensors_hooks())
+    return hook_utils.hooks_guard_state(hook_utils.ambient_saved_tensors_hooks())
 
 
 def _guard_code(expected: Any) -> list[str]:

@@ -77,7 +77,7 @@ def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -
 def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
-    hooks = hook_utils.top_saved_tensors_hooks()
+    hooks = hook_utils.ambient_saved_tensors_hooks()
     if hooks is None:
         return None
     pack, unpack = hooks

@@ -22,7 +22,8 @@ pairs (compress, then offload), and ``cpu_offload(pin_memory)``
 back in the backward, with the reload issued ahead of its use).  Each documents its error
 bound.  ``select(pack, unpack, where=...)`` applies any pair only to the saved tensors a
 compile-time predicate accepts (``torch_patches.hooks.select``); the lossy pairs default to
-``where=numerics_safe``.
+``where=numerics_safe``.  ``budget(memory)`` lets the compiler choose among them per saved
+tensor to fit a byte budget (``torch_patches.hooks.budget``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 __all__ = [
     "HookPair",
     "bf16",
+    "budget",
     "cache_hash",
     "chain",
     "cpu_offload",
@@ -89,5 +91,6 @@ from torch_patches.hooks.compress import (  # noqa: E402
     fp8_rowwise,
     int8_rowwise,
 )
+from torch_patches.hooks.budget import budget  # noqa: E402
 from torch_patches.hooks.offload import cpu_offload  # noqa: E402
 from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select  # noqa: E402

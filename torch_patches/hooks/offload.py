@@ -354,9 +354,9 @@ def cpu_offload(pin_memory: bool = True) -> tuple[Any, Any]:
     fp8 payload and its scales (a quarter of float32's transfer).  A pair chained after
     ``cpu_offload()`` would read host tensors whose copy may still be in flight.
     """
-    import torch_patches
+    from torch_patches import applied_patches, is_applied
 
-    if torch_patches.is_applied() and "inductor.free_without_reuse" not in torch_patches.applied_patches():
+    if is_applied() and "inductor.free_without_reuse" not in applied_patches():
         raise RuntimeError(
             "cpu_offload() needs the offload patches (Inductor would reuse an offloaded "
             "buffer while its copy still reads it): torch_patches.apply() was called with "

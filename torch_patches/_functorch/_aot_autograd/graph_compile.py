@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import (
+    activation_budget,
     activation_inputs as act_inputs,
     graph_surgery,
     hook_tracing,
@@ -61,7 +62,7 @@ def _record_decision(inlined: bool) -> None:
     # fell back to eager keeps them enabled at runtime.
     found = _compile_facts.facts()
     if found is not None:
-        key = hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks())
+        key = hook_utils.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
         found.hooks_inlined = (key, inlined)
 
 
@@ -122,7 +123,7 @@ def inlined_decision() -> bool | None:
     if found is None or found.hooks_inlined is None:
         return None
     key, inlined = found.hooks_inlined
-    if key != hook_utils.hooks_guard_key(hook_utils.top_saved_tensors_hooks()):
+    if key != hook_utils.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks()):
         return None
     return inlined
 
@@ -131,7 +132,7 @@ def inlined_decision() -> bool | None:
 
 
 def _ambient_pair() -> HookPair | None:
-    hooks = hook_utils.top_saved_tensors_hooks()
+    hooks = hook_utils.ambient_saved_tensors_hooks()
     if not hook_utils.saved_tensors_hooks_are_inlineable(hooks):
         return None
     return HookPair(hooks[0], hooks[1], "ambient")
@@ -312,6 +313,11 @@ def _inline(
             artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
             continue
         hookable[saved] = pair
+    # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
+    # tensor in their scope takes the storage option its plan chose, or is kept.
+    hookable = activation_budget.apply_plans(
+        hookable, candidates, inputs, bw_inputs, fw_g, bw_g, artifact, _describe_saved
+    )
     if allowed is not None:
         for saved, why in act_inputs.partially_hooked(saved_tensors, hookable, inputs).items():
             artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)

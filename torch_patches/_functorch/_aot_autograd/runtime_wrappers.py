@@ -123,7 +123,7 @@ def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] 
     """The context a compiled graph runs in, decided when its wrapper is created."""
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
-    hooks = hook_utils.top_saved_tensors_hooks()
+    hooks = hook_utils.ambient_saved_tensors_hooks()
     inlined = graph_compile.inlined_decision()
     if hooks is None:
         # Compiled without hooks: its guard also admits Python hooks (they do not change

@@ -27,6 +27,30 @@ def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] |
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
+def ambient_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The hooks compiled graphs plan with around the compiled call: the innermost pair
+    active right now, else the ``torch_patches.config.activation_memory_budget`` pair
+    (``torch_patches.hooks.budget``), else None.
+
+    The budget pair stands for the config knob everywhere ambient hooks are read (the
+    frame's guard, the cache-key subgraphs, the inliner, the runtime wrapper), so a budget
+    set in config is keyed exactly as the same pair entered by hand.
+    """
+    hooks = top_saved_tensors_hooks()
+    if hooks is not None:
+        return hooks
+    from torch_patches import config
+
+    if config.activation_memory_budget is None:
+        return None
+    from torch_patches.hooks.budget import budget
+
+    try:
+        return budget(config.activation_memory_budget)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"torch_patches.config.activation_memory_budget: {e}") from None
+
+
 def is_inlineable_hook(fn: Any) -> bool:
     return isinstance(fn, torch.fx.GraphModule) or (
         callable(fn) and getattr(fn, INLINEABLE_ATTR, False) is True
