@@ -6,7 +6,9 @@
 # (On a machine without internet, put an expecttest wheel under .whl/ first.)
 # 1. the CUDA variants of the offload, numerics and placement suites;
 # 2. the offload benchmark on inductor (mlp8 and the transformer block, all offload rows)
-#    at the default GPU sizes, side by side in one invocation.
+#    at the default GPU sizes, side by side in one invocation;
+# 3. the activation-memory budget rows (budget(F), stock activation_memory_budget=F, uniform
+#    fp8 + offload) on mlp8, inductor.
 # Writes pytest's report, the bench table and its JSON under $OUT (default: ./gpu-check).
 set -u
 OUT="${OUT:-gpu-check}"
@@ -18,7 +20,7 @@ pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYT
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
 
 timeout 300 python -m pytest -q -x -k "cuda or CUDA" \
-    test/test_offload.py test/test_hooks_library.py test/test_inline_numerics.py \
+    test/test_offload.py test/test_hooks_library.py test/test_inline_numerics.py test/test_budget.py \
     > "$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/pytest.txt"
 tail -3 "$OUT/pytest.txt"
@@ -28,3 +30,9 @@ timeout 280 python -m torch_patches bench --device cuda --models mlp8,transforme
     > "$OUT/bench.txt" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/bench.txt"
 tail -40 "$OUT/bench.txt"
+
+timeout 280 python -m torch_patches bench --device cuda --models mlp8 --backends inductor \
+    --hooks fp8_rowwise+cpu_offload --modes ours --budget 0.3,0.5,0.7 --json "$OUT/bench-budget.json" \
+    > "$OUT/bench-budget.txt" 2>&1
+echo "bench budget rc=$?" | tee -a "$OUT/bench-budget.txt"
+tail -20 "$OUT/bench-budget.txt"

@@ -57,8 +57,6 @@ from torch_patches._functorch._aot_autograd import activation_inputs as act_inpu
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 
 
-log = logging.getLogger(__name__)
-
 KEEP = "keep"
 
 
@@ -98,10 +96,13 @@ class Option:
 
 @dataclasses.dataclass
 class Choice:
-    saved: fx.Node
+    """The option chosen for the saved tensors sharing one storage (most often one tensor;
+    q, k and v of one projection are three): all of them take it, or the storage stays."""
+
+    saved: list[fx.Node]
     describe: str
     nbytes: int
-    options: list[Option]  # lower convex hull, keep first
+    options: list[Option]  # lower convex hull: keep first, unless a free option beats it
     chosen: Option
 
 
@@ -155,7 +156,9 @@ def options_for(
     """Every allowed option for one saved tensor with its bytes and time (keep first)."""
     s = val.element_size()
     n = nbytes // max(s, 1)
-    rows = n // max(int(val.shape[-1]), 1) if val.dim() else 1
+    from torch_patches.hooks.select import _size_hint
+
+    rows = n // max(_size_hint(val.shape[-1]), 1) if val.dim() else 1  # symbolic: its hint
     out = [Option(KEEP, nbytes, 0.0)]
     if not val.is_floating_point() or n == 0:
         return out
@@ -279,15 +282,11 @@ def windows(
 # ------------------------------------------------------------------------- driver
 
 
-def _storage_groups(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """storage root -> the largest saved tensor's bytes among those reading it."""
+def _nbytes(node: fx.Node) -> int:
     from torch_patches.hooks.select import compiled_info
 
-    groups: dict[fx.Node, int] = {}
-    for s in nodes:
-        root = act_inputs.storage_root(s)
-        groups[root] = max(groups.get(root, 0), compiled_info(s, None, "").nbytes)
-    return groups
+    val = node.meta.get("val")
+    return compiled_info(node, None, "").nbytes if isinstance(val, torch.Tensor) else 0
 
 
 def plan(
@@ -295,6 +294,7 @@ def plan(
     spec: Any,
     members: list[fx.Node],
     plannable: list[fx.Node],
+    aliases: dict[fx.Node, fx.Node],
     inputs: dict[fx.Node, str | None],
     bw_inputs: dict[str, fx.Node],
     fw_g: fx.Graph,
@@ -304,35 +304,48 @@ def plan(
     """The plan for one budget pair.
 
     ``members``: every saved tensor in the pair's scope; ``plannable``: those the hooks may
-    see (dtype policy, filtering mode, unused ones excluded), aliases of another excluded.
-    Saved graph inputs that are not activations (parameters, leaves) are not counted.
+    see (dtype policy, filtering mode, unused ones excluded), without ``aliases`` (saved
+    tensors that share another's packed tensor). Saved graph inputs that are not activations
+    (parameters, leaves) are not counted. The unit of choice is a storage: the saved tensors
+    reading it (q, k, v of one projection) are packed together or kept, since keeping one
+    keeps all of it. It costs its base tensor's bytes, however small the saved views.
     """
     from torch_patches.hooks.select import compiled_info, numerics_safe
 
-    def activation(s: fx.Node) -> bool:
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for s in members:
         root = act_inputs.storage_root(s)
-        return not (root.op == "placeholder" and inputs.get(root) is not None)
-
-    counted = [s for s in members if activation(s)]
-    baseline = sum(_storage_groups(counted).values())
+        if not (root.op == "placeholder" and inputs.get(root) is not None):  # an activation
+            groups.setdefault(root, []).append(s)
+    storage = {root: max([_nbytes(root), *map(_nbytes, saved)]) for root, saved in groups.items()}
+    baseline = sum(storage.values())
     plannable_set = set(plannable)
-    planned_roots = {act_inputs.storage_root(s) for s in plannable}
-    fixed = sum(
-        b for root, b in _storage_groups([s for s in counted if s not in plannable_set]).items()
-        if root not in planned_roots
-    )
-    device = next((s.meta["val"].device for s in plannable), torch.device("cpu"))
+    covered = plannable_set | {a for a, r in aliases.items() if r in plannable_set}
+    planned = {root: [s for s in saved if s in plannable_set] for root, saved in groups.items()}
+    planned = {root: saved for root, saved in planned.items() if saved and set(groups[root]) <= covered}
+    fixed = sum(b for root, b in storage.items() if root not in planned)
+    nodes = [s for saved in planned.values() for s in saved]
+    device = next((s.meta["val"].device for s in nodes), torch.device("cpu"))
     rates = Rates.for_device(device)
     offload = any(o in spec.options for o in ("offload", "fp8+offload"))
-    if offload and any(s.meta["val"].device.type == "cuda" for s in plannable):
-        spans = windows(plannable, bw_inputs, fw_g, bw_g, rates)
+    if offload and any(s.meta["val"].device.type == "cuda" for s in nodes):
+        spans = windows(nodes, bw_inputs, fw_g, bw_g, rates)
     else:  # no copy to hide: skip estimating the compute of every node
-        spans = dict.fromkeys(plannable, (0.0, 0.0))
+        spans = dict.fromkeys(nodes, (0.0, 0.0))
     choices = []
-    for s in plannable:
-        info = compiled_info(s, bw_inputs.get(s.name), pair.label)
-        opts = lower_hull(options_for(s.meta["val"], info.nbytes, spec.options, numerics_safe(info), spans[s], rates))
-        choices.append(Choice(s, describe(s), info.nbytes, opts, opts[0]))
+    for root, saved in planned.items():
+        per = []
+        for s in saved:
+            info = compiled_info(s, bw_inputs.get(s.name), pair.label)
+            opts = options_for(s.meta["val"], info.nbytes, spec.options, numerics_safe(info), spans[s], rates)
+            per.append({o.name: o for o in opts})
+        common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
+        options = [Option(KEEP, storage[root], 0.0)] + [
+            Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
+        ]
+        hull = lower_hull(options)
+        text = describe(saved[0]) + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
+        choices.append(Choice(saved, text, storage[root], hull, hull[0]))
     result = Plan(pair.label, spec, baseline, fixed, spec.target_bytes(baseline), choices)
     solve(choices, result.predicted_bytes - result.budget_bytes)
     return result
@@ -353,7 +366,7 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
     if not result.met:
         floor = result.fixed_bytes + sum(c.options[-1].device_bytes for c in result.choices)
         exact = sorted((c for c in result.choices if len(c.options) == 1), key=lambda c: -c.nbytes)
-        names = ", ".join(c.saved.name for c in exact[:3]) + (", ..." if len(exact) > 3 else "")
+        names = ", ".join(c.saved[0].name for c in exact[:3]) + (", ..." if len(exact) > 3 else "")
         warnings.warn(
             f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
             f"cannot be met in scope {result.label!r}: the smallest plan keeps {floor} B. "
@@ -388,14 +401,18 @@ def apply_plans(
         members = [s for s, p in candidates if p is pair]
         mine = {s: p for s, p in hookable.items() if p is pair}
         aliases = alias_roots(mine)
-        result = plan(pair, spec, members, [s for s in mine if s not in aliases], inputs, bw_inputs, fw_g, bw_g, describe)
+        plannable = [s for s in mine if s not in aliases]
+        result = plan(pair, spec, members, plannable, aliases, inputs, bw_inputs, fw_g, bw_g, describe)
         log_plan(result, artifact)
-        chosen = {c.saved: c.chosen.name for c in result.choices}
+        chosen = {s: c.chosen.name for c in result.choices for s in c.saved}
         for alias, root in aliases.items():
-            chosen[alias] = chosen[root]
+            chosen[alias] = chosen.get(root, KEEP)
         for s in mine:
-            if chosen[s] == KEEP:
-                artifact.debug("saved %s left unhooked: kept by the budget plan", describe(s))
+            if chosen.get(s, KEEP) == KEEP:
+                why = "kept by the budget plan" if s in chosen else (
+                    "shares its storage with a saved tensor the budget plan cannot hook"
+                )
+                artifact.debug("saved %s left unhooked: %s", describe(s), why)
                 del out[s]
             else:
                 out[s] = HookPair(*option_hooks(chosen[s]), pair.label)

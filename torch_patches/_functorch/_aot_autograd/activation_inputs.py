@@ -21,6 +21,7 @@ not guard: a later call with a leaf costs one packed copy of that input, never a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,7 +46,10 @@ def storage_root(node: Any) -> Any:
         and node.args
         and isinstance(node.args[0], fx.Node)
         and (
-            getattr(node.target, "is_view", False) or node.target in _STORAGE_SHARING_OPS
+            getattr(node.target, "is_view", False)
+            or node.target in _STORAGE_SHARING_OPS
+            # one output of a multi-output view op (q, k, v of a split)
+            or (node.target is operator.getitem and getattr(node.args[0].target, "is_view", False))
         )
     ):
         node = node.args[0]
