@@ -113,6 +113,25 @@ class TestCostModel(TestCase):
         only = {o.name for o in ab.options_for(cuda, 8192, ("offload",), False, (0, 0), rates)}
         self.assertEqual(only, {"keep", "offload"})
 
+    def test_compute_windows_hide_copies(self):
+        # What hides an offload's copies: the forward compute after the tensor's last use,
+        # and the reload_prefetch_distance backward nodes before its first use.
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(lambda x, w: torch.relu(x @ w).sum(), tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16))
+        mm, relu, total = (n for n in gm.graph.nodes if n.op == "call_function")
+        rates = ab.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e6, kernel_ms=0.0)
+        self.assertEqual(ab._flops(mm), 2 * 64 * 32 * 16)
+        self.assertEqual(ab._node_ms(mm, rates), 2 * 64 * 32 * 16 / 1e6)  # compute-bound here
+        self.assertEqual(ab._node_ms(relu, rates), 2 * 64 * 16 * 4 / 1e6)  # memory-bound
+        with tp_config.patch(reload_prefetch_distance=1, unpack_prefetch_distance=0):
+            # The same graph stands in for the backward, relu for mm's backward input: its
+            # first use is the sum, one node before it is relu.
+            spans = ab.windows([mm], {"mm": relu}, gm.graph, gm.graph, rates)
+        self.assertNotEqual(ab._node_ms(total, rates), ab._node_ms(relu, rates))
+        # After mm's last forward use (relu): the sum.
+        self.assertEqual(spans[mm], (ab._node_ms(total, rates), ab._node_ms(relu, rates)))
+
     def test_solver_meets_excess_greedily_and_deterministically(self):
         def choices():
             out = []

@@ -154,10 +154,10 @@ def options_for(
     val: torch.Tensor, nbytes: int, allowed: tuple[str, ...], lossy_ok: bool, window: tuple[float, float], rates: Rates
 ) -> list[Option]:
     """Every allowed option for one saved tensor with its bytes and time (keep first)."""
-    s = val.element_size()
-    n = nbytes // max(s, 1)
     from torch_patches.hooks.select import _size_hint
 
+    s = val.element_size()
+    n = nbytes // max(s, 1)
     rows = n // max(_size_hint(val.shape[-1]), 1) if val.dim() else 1  # symbolic: its hint
     out = [Option(KEEP, nbytes, 0.0)]
     if not val.is_floating_point() or n == 0:
