@@ -89,7 +89,8 @@ activation_memory_budget: float | int | None = None
 # the saved tensors' device type (CPU / CUDA).
 # Device memory bandwidth, GB/s (defaults 20 / 2000).
 activation_budget_memory_bandwidth: float | None = None
-# Host link bandwidth for offload, GB/s (default: torch._functorch.config.activation_offload_cpu_gpu_bw).
+# Host link bandwidth for offload, GB/s (default: torch._functorch.config.activation_offload_cpu_gpu_bw,
+# 50 on torch 2.11, which has no such knob).
 activation_budget_host_bandwidth: float | None = None
 # Compute throughput, TFLOP/s, to estimate how much compute hides a copy (0.2 / 400).
 activation_budget_flops: float | None = None

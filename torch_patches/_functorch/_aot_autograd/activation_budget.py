@@ -78,7 +78,8 @@ class Rates:
 
         host = config.activation_budget_host_bandwidth
         if host is None:
-            host = torch._functorch.config.activation_offload_cpu_gpu_bw
+            # torch's offload bandwidth knob (torch >= 2.12; its default, 50 GB/s, before).
+            host = getattr(torch._functorch.config, "activation_offload_cpu_gpu_bw", 50.0)
         return Rates(
             memory_bytes_per_ms=knob(config.activation_budget_memory_bandwidth, 20.0, 2000.0) * 1e6,
             host_bytes_per_ms=float(host) * 1e6,
