@@ -160,6 +160,144 @@ class TestCostModel(TestCase):
         self.assertEqual({c.chosen.name for c in everything}, {"fp8"})
 
 
+class TestRecompute(TestCase):
+    def graph(self, fn, *shapes):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+        nodes = {n.name: n for n in gm.graph.nodes}
+        return nodes, {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def test_recipe_stops_at_exact_nodes_and_refuses_what_cannot_run_again(self):
+        def fn(x, w):
+            h = torch.mm(x, w)
+            a = torch.relu(h)
+            g = torch.sigmoid(a) * a
+            d = torch.nn.functional.dropout(g, 0.5, training=True)
+            return torch.tanh(d)
+
+        nodes, order = self.graph(fn, (8, 4), (4, 4))
+        x, w, mm, relu = nodes["x_1"], nodes["w_1"], nodes["mm"], nodes["relu"]
+        recipe = ab.recompute_recipe(relu, {mm, x, w}, order)
+        self.assertEqual((recipe.nodes, recipe.frontier), ((relu,), (mm,)))
+        recipe = ab.recompute_recipe(nodes["mul"], {x, w}, order)  # back to the inputs
+        self.assertEqual([n.name for n in recipe.nodes], ["mm", "relu", "sigmoid", "mul"])
+        self.assertEqual(recipe.frontier, (x, w))
+        self.assertIsNone(ab.recompute_recipe(nodes["mul"], {x, w}, order, limit=3))  # too long
+        # Dropout's mask is random: never recomputed (the forward's own draw is what counts).
+        tanh = nodes["tanh"]
+        self.assertIsNone(ab.recompute_recipe(tanh, {x, w}, order))
+        self.assertIsNone(ab.recompute_recipe(tanh, {nodes["mul"]}, order))
+        self.assertIsNone(ab.recompute_recipe(mm, set(), order))  # placeholders are not ops
+
+    def test_inductor_random_prims_are_not_recomputed(self):
+        import torch._inductor.inductor_prims  # noqa: F401 - registers the prims
+
+        def fn(x):
+            seeds = torch.ops.prims.inductor_seeds.default(1, torch.device("cpu"))
+            seed = torch.ops.prims.inductor_lookup_seed.default(seeds, 0)
+            return x * torch.ops.prims.inductor_random.default([4], seed, "rand")
+
+        nodes, order = self.graph(fn, (4,))
+        self.assertIsNone(ab.recompute_recipe(nodes["mul"], {nodes["x_1"]}, order))
+        self.assertFalse(ab._recomputable(nodes["inductor_random"]))  # untagged, still random
+        self.assertTrue(ab._recomputable(nodes["mul"]))
+
+    def test_solver_pins_what_a_recompute_reads_and_reprices_it(self):
+        def choices(fp8_ms):
+            a = ab.Choice(None, "a", 1000, [_opt("keep", 1000, 0.0), _opt("fp8", 250, fp8_ms)], None)
+            b = ab.Choice(None, "b", 8000, [_opt("keep", 8000, 0.0), _opt("recompute", 0, 2.0)], None, pins=(0,))
+            for c in (a, b):
+                c.chosen = c.options[0]
+            return [a, b]
+
+        # b's recompute reads a: a stays exact, whatever compressing it would have cost.
+        first = choices(fp8_ms=1.0)
+        ab.solve(first, 7000)
+        self.assertEqual([c.chosen.name for c in first], ["keep", "recompute"])
+        # a's fp8 is the cheaper step and goes first; b's recompute, re-priced with a's
+        # 750 B undone, still saves enough: a is pinned back to keep.
+        second = choices(fp8_ms=0.01)
+        ab.solve(second, 7500)
+        self.assertEqual([c.chosen.name for c in second], ["keep", "recompute"])
+        # Where a's bytes alone meet the excess, nothing is recomputed.
+        third = choices(fp8_ms=0.01)
+        ab.solve(third, 700)
+        self.assertEqual([c.chosen.name for c in third], ["fp8", "keep"])
+
+
+class TestRecomputeInGraphs(BudgetTestCase):
+    def test_logits_recomputed_from_the_inputs(self, device):
+        # The lm-head pattern: log_softmax's output (what its backward reads) is the saved
+        # activation; numerics_safe keeps it exact, and on CPU nothing else can shrink it.
+        def head(x, w):
+            return torch.log_softmax(x @ w, dim=-1).sum()
+
+        from torch_patches.testing import AotEagerAndRecordGraphs
+
+        x = torch.randn(16, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 32, device=device, requires_grad=True)
+        torch.compile(head, backend="aot_eager", fullgraph=True)(x, w).backward()
+        want = [x.grad.clone(), w.grad.clone()]
+        torch._dynamo.reset()
+        x.grad = w.grad = None
+        rec = AotEagerAndRecordGraphs()
+        with torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
+            loss = torch.compile(head, backend=rec, fullgraph=True)(x, w)
+        held = saved_bytes(loss, exclude=[x, w])
+        loss.backward()
+        self.assertEqual(held, 0)
+        self.assertGradsEqual([x.grad, w.grad], want, exact=True)
+        (planned, baseline, limit), = self.plan_log.summaries()
+        self.assertEqual((planned, baseline), (0, 16 * 32 * 4))
+        self.assertExpectedGraph(rec.bw_graphs[0], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_w: "f32[8, 32]", primals_x: "f32[16, 8]", t: "f32[8, 16]", t_1: "f32[32, 8]", tangents_1: "f32[]"):
+        expand: "f32[16, 32]" = torch.ops.aten.expand.default(tangents_1, [16, 32]);  tangents_1 = None
+        mm: "f32[16, 32]" = torch.ops.aten.mm.default(primals_x, primals_w);  primals_x = primals_w = None  # recompute(detach_1)
+        _log_softmax: "f32[16, 32]" = torch.ops.aten._log_softmax.default(mm, -1, False);  mm = None  # recompute(detach_1)
+        detach: "f32[16, 32]" = torch.ops.aten.detach.default(_log_softmax);  _log_softmax = None  # recompute(detach_1)
+        detach_1_recomputed: "f32[16, 32]" = torch.ops.aten.detach.default(detach);  detach = None  # recompute(detach_1)
+        _log_softmax_backward_data: "f32[16, 32]" = torch.ops.aten._log_softmax_backward_data.default(expand, detach_1_recomputed, -1, torch.float32);  expand = detach_1_recomputed = None
+        mm_1: "f32[8, 32]" = torch.ops.aten.mm.default(t, _log_softmax_backward_data);  t = None
+        mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(_log_softmax_backward_data, t_1);  _log_softmax_backward_data = t_1 = None
+        return (mm_1, mm_2)""")
+
+    def test_logits_recomputed_under_inductor(self, device):
+        def head(x, w):
+            return torch.log_softmax(x @ w, dim=-1).sum()
+
+        x = torch.randn(16, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 32, device=device, requires_grad=True)
+        head(x, w).backward()
+        want = [x.grad.clone(), w.grad.clone()]
+        x.grad = w.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
+            loss = torch.compile(head, backend="inductor", fullgraph=True)(x, w)
+        held = saved_bytes(loss, exclude=[x, w])
+        loss.backward()
+        self.assertEqual([x.grad, w.grad], want)  # Inductor's own kernels: close, not bitwise
+        # Inductor saves the logits and log-softmax's row statistics (amax, log-sum-exp):
+        # the logits are recomputed, the statistics fit the budget.
+        (planned, baseline, limit), = self.plan_log.summaries()
+        self.assertEqual((held, planned, baseline), (2 * 16 * 4, 2 * 16 * 4, 16 * 32 * 4 + 2 * 16 * 4))
+        logits = [l for l in self.plan_log.lines if "float32[16, 32]" in l]
+        self.assertTrue(logits and all("-> recompute" in l for l in logits), self.plan_log.lines)
+
+    def test_met_budget_recomputes_nothing(self, device):
+        def f(x, w):
+            return torch.log_softmax(x @ w, dim=-1).sum()
+
+        x = torch.randn(16, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 32, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(*budget(1.0)):
+            torch.compile(f, backend="aot_eager")(x, w).backward()
+        self.assertEqual(set(self.plan_log.choices().values()), {"keep"})
+
+
+instantiate_device_type_tests(TestRecomputeInGraphs, globals())
+
+
 def ab_options():
     from torch_patches.hooks.budget import OPTIONS
 
@@ -282,28 +420,38 @@ class TestBudgetOnModels(BudgetTestCase):
         self.check_budgets("llama", device, (0.3, 0.5, 0.7, 0.9), backend="aot_eager", **kw)
         # Inductor saves the logits (512 x 4096 float32, half of what the graph saves) for
         # log-softmax's backward: numerics_safe keeps them exact, and without CUDA there is
-        # no offload, so below ~0.65 the budget warns and the plan is the smallest one.
-        unreachable = (0.3, 0.5) if device == "cpu" else ()
-        self.check_budgets("llama", device, (0.3, 0.5, 0.7, 0.9), backend="inductor", unreachable=unreachable, **kw)
+        # no offload. Budgets below ~0.65 are met by recomputing them in the backward from
+        # the final norm's output (pinned exact) and lm_head's weight.
+        self.check_budgets("llama", device, (0.9, 0.7, 0.5, 0.3), backend="inductor", **kw)
+        if device == "cpu":  # the lines of 0.3: the logits are recomputed
+            logits = [l for l in self.plan_log.lines if "float32[512, 4096]" in l]
+            self.assertTrue(logits and all("-> recompute" in l for l in logits), logits)
 
     def test_plan_is_applied_as_logged(self, device):
-        # The same gradients as hand-written select pairs doing what the log says.
+        # The same gradients as hand-written select pairs doing what the log says; the
+        # tensors it recomputes are exact, so by hand they are kept.
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
-        fn = torch.compile(model, backend="aot_eager")
-        _, got = _step(fn, model, x, budget(0.4))
-        chosen = self.plan_log.choices()
-        self.assertEqual(set(chosen.values()) - {"keep"}, {"fp8"}, chosen)  # CPU: no offload
-        self.assertIn("keep", chosen.values())  # 0.4 needs part of the tensors only
-        fp8_names = frozenset(n for n, c in chosen.items() if c == "fp8")
-        by_hand = select(*fp8_rowwise(where=None), where=lambda info: info.name in fp8_names)
-        torch._dynamo.reset()
-        _, want = _step(torch.compile(model, backend="aot_eager"), model, x, by_hand)
-        self.assertGradsEqual(got, want, exact=True)
+        kinds = set()
+        # fp8 (storage options meet 0.4), and recompute (sigmoid from its input) where it is
+        # the only option allowed.
+        for hooks in (budget(0.4), budget(0.8, options=("recompute",))):
+            torch._dynamo.reset()
+            self.plan_log.lines.clear()
+            _, got = _step(torch.compile(model, backend="aot_eager"), model, x, hooks)
+            chosen = self.plan_log.choices()
+            kinds |= set(chosen.values())
+            self.assertIn("keep", chosen.values())  # part of the tensors only
+            fp8_names = frozenset(n for n, c in chosen.items() if c == "fp8")
+            by_hand = select(*fp8_rowwise(where=None), where=lambda info: info.name in fp8_names)
+            torch._dynamo.reset()
+            _, want = _step(torch.compile(model, backend="aot_eager"), model, x, by_hand)
+            self.assertGradsEqual(got, want, exact=True)
+        self.assertEqual(kinds, {"keep", "fp8", "recompute"})  # CPU: no offload
         # And the plan is deterministic: a fresh compile logs the same plan.
         first = list(self.plan_log.lines)
         self.plan_log.lines.clear()
         torch._dynamo.reset()
-        _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.4))
+        _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.8, options=("recompute",)))
         self.assertEqual(self.plan_log.lines, first[: len(self.plan_log.lines)])
         self.assertEqual(len(self.plan_log.lines), len([l for l in first if "budget plan" in l]))
 
@@ -319,11 +467,18 @@ class TestBudgetOnModels(BudgetTestCase):
             return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, ref))
 
         uniform = err(fp8_rowwise())
-        tight, loose = err(budget(0.3)), err(budget(0.8))
+        storage = ("bf16", "fp8", "offload", "fp8+offload")
+        tight, loose = err(budget(0.3, options=storage)), err(budget(0.8, options=storage))
         self.assertLessEqual(tight, uniform * 1.01)
         self.assertLess(loose, tight)
         self.assertGreater(loose, 0.0)
+        self.assertLessEqual(err(budget(0.3)), uniform * 1.01)
+        # Storage options meet 0.8: recompute is the fallback, not taken.
+        self.assertEqual(err(budget(0.8)), loose)
         self.assertEqual(err(budget(1.0)), 0.0)  # everything fits: nothing compressed
+        # Recompute is exact: a budget it alone meets (sigmoid from its input) moves nothing.
+        self.assertEqual(err(budget(0.8, options=("recompute",))), 0.0)
+        self.assertEqual(set(self.plan_log.choices().values()), {"keep", "recompute"})
 
     def test_config_form_equals_hook_form_and_recompiles_once_per_change(self, device):
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
@@ -400,7 +555,7 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertEqual(len(msgs), 1, [str(w.message) for w in caught])
         self.assertRegex(msgs[0], r"budget\(0.01 of the saved bytes.*scope 'ambient': the smallest plan keeps \d+ B")
         self.assertRegex(msgs[0], r"\d+ B of it cannot be hooked .*, \d+ B have no allowed option")
-        self.assertEqual(set(self.plan_log.choices().values()), {"fp8"})
+        self.assertLessEqual(set(self.plan_log.choices().values()), {"fp8", "recompute", "keep"})
 
     def test_options_restrict_the_plan(self, device):
         model, x = _model("mlp8", device, **_SIZES["mlp8"])

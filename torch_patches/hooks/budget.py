@@ -1,8 +1,8 @@
 """An activation memory budget: the compiler chooses how each saved tensor is stored.
 
 ``budget(memory)`` is a saved-tensors hook pair that asks the inliner to *plan*: for every
-saved tensor of a compiled graph it chooses keep, bf16, fp8 row-wise, CPU offload or fp8 +
-offload so that the bytes the graph saves for the backward fit ``memory`` at the least
+saved tensor of a compiled graph it chooses keep, bf16, fp8 row-wise, CPU offload, fp8 +
+offload or recompute so that the bytes the graph saves for the backward fit ``memory`` at the least
 estimated step time::
 
     from torch_patches.hooks import budget
@@ -46,8 +46,9 @@ __all__ = ["BUDGET_ATTR", "OPTIONS", "BudgetSpec", "budget", "unwrap_budget"]
 #: Attribute on both functions of a :func:`budget` pair: its :class:`BudgetSpec`.
 BUDGET_ATTR = "__torch_patches_budget__"
 
-#: Every storage option a plan may choose besides keeping the tensor, least lossy first.
-OPTIONS = ("bf16", "fp8", "offload", "fp8+offload")
+#: Every option a plan may choose besides keeping the tensor: the storage options, least
+#: lossy first, then recomputing it in the backward (exact; see activation_budget.py).
+OPTIONS = ("bf16", "fp8", "offload", "fp8+offload", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,12 @@ and this plan covers what it left saved); this module chooses, per saved tensor,
 * ``bf16``: ``torch_patches.hooks.bf16`` (float32/float64 only);
 * ``fp8``: ``torch_patches.hooks.fp8_rowwise`` (e4m3fn, one float32 scale per row);
 * ``offload``: ``torch_patches.hooks.cpu_offload`` (CUDA tensors only);
-* ``fp8+offload``: both, chained,
+* ``fp8+offload``: both, chained;
+* ``recompute``: not saved; the backward recomputes it with the forward's own ops from
+  tensors the graph saves anyway (kept exact: the plan pins them to ``keep``) and inputs
+  the caller keeps (parameters, buffers, leaves).  At most :data:`RECOMPUTE_MAX_NODES`
+  ops, none random or mutating; exact, so offered whatever ``numerics_safe`` says;
+  only to a saved tensor that is the one reader of its storage,
 
 so that the bytes the graph keeps on its device for the backward fit the budget at the
 least estimated time.  Lossy options are offered only for tensors
@@ -30,13 +35,19 @@ compiled graph):
   the tensor's last forward use, the host-to-device copy the compute of the
   ``reload_prefetch_distance`` backward nodes before its first use.  Compute per node is
   ``max(flops / activation_budget_flops, bytes / memory bandwidth)`` with flops from
-  ``torch.utils.flop_counter``'s formulas.
+  ``torch.utils.flop_counter``'s formulas.  Recompute costs the compute of its ops (views
+  are free) plus a kernel each.
 
 Solver: the multiple-choice knapsack's greedy over each tensor's lower convex hull of
 (bytes, time): starting from keep everywhere, repeatedly take the step that saves bytes at
 the least time per byte (ties: more bytes first, then graph order) until the saved bytes fit
-the budget.  Deterministic.  If every tensor at its smallest option still exceeds the
-budget, that is the plan and a warning says by how much.
+the budget.  Deterministic.  Recompute couples tensors: taking it pins the saved tensors
+it reads to ``keep`` (undoing what they saved), so its step is re-priced when it comes up
+(a lazy greedy) and dropped when it would no longer save bytes.  Recompute is the
+fallback: the greedy runs with the storage options only, and only when that cannot meet
+the budget again with recompute too (measured on CPU, a recompute plan rated faster than a
+storage plan that met the budget peaked higher: see ``plan``).  If neither run meets
+it, the smaller plan is taken and a warning says by how much it misses.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import dataclasses
 import functools
 import heapq
 import logging
+import operator
 import warnings
 from typing import Any
 
@@ -58,6 +70,10 @@ from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 
 
 KEEP = "keep"
+RECOMPUTE = "recompute"
+
+#: The most forward ops one saved tensor's recomputation may copy into the backward.
+RECOMPUTE_MAX_NODES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +111,16 @@ class Option:
     ms: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the backward recomputes a saved tensor: ``nodes`` (forward ops, in graph order)
+    copied into the backward, reading ``frontier`` (saved tensors kept exact, inputs the
+    caller keeps)."""
+
+    nodes: tuple[fx.Node, ...]
+    frontier: tuple[fx.Node, ...]
+
+
 @dataclasses.dataclass
 class Choice:
     """The option chosen for the saved tensors sharing one storage (most often one tensor;
@@ -105,6 +131,12 @@ class Choice:
     nbytes: int
     options: list[Option]  # lower convex hull: keep first, unless a free option beats it
     chosen: Option
+    recipe: Recipe | None = None  # with a "recompute" option
+    pins: tuple[int, ...] = ()  # choices that must stay "keep" if this one recomputes
+
+    @property
+    def keep(self) -> Option:
+        return Option(KEEP, self.nbytes, 0.0)
 
 
 @dataclasses.dataclass
@@ -207,22 +239,53 @@ def _slope(a: Option, b: Option) -> float:
 
 def solve(choices: list[Choice], excess: int) -> None:
     """Move choices along their hulls until ``excess`` bytes are saved (greedy by ms per
-    byte; ties: more bytes, then order)."""
+    byte; ties: more bytes, then order).  A recompute step also pins its ``pins`` to keep:
+    it is re-priced with that cost when popped and pushed back if it got dearer."""
     heap: list[tuple[float, int, int, int]] = []
+    pinned: set[int] = set()
+
+    def step(i: int, pos: int) -> tuple[float, int] | None:
+        """(ms per byte, bytes saved) of moving choice i to options[pos], pins included."""
+        c = choices[i]
+        nxt = c.options[pos]
+        saved, ms = c.chosen.device_bytes - nxt.device_bytes, nxt.ms - c.chosen.ms
+        if nxt.name == RECOMPUTE:
+            # What the tensors it reads saved (by compression, or their own recompute) is undone.
+            undone = [choices[j] for j in c.pins if j not in pinned]
+            saved -= sum(p.nbytes - p.chosen.device_bytes for p in undone)
+            ms -= sum(p.chosen.ms for p in undone)
+        if saved <= 0:
+            return None
+        return ms / saved, saved
 
     def push(i: int) -> None:
+        if i in pinned:
+            return
         c = choices[i]
-        pos = c.options.index(c.chosen)
-        if pos + 1 < len(c.options):
-            nxt = c.options[pos + 1]
-            heapq.heappush(heap, (_slope(c.chosen, nxt), -(c.chosen.device_bytes - nxt.device_bytes), i, pos + 1))
+        pos = c.options.index(c.chosen) + 1
+        found = step(i, pos) if pos < len(c.options) else None
+        if found is not None:
+            heapq.heappush(heap, (found[0], -found[1], i, pos))
 
     for i in range(len(choices)):
         push(i)
     while excess > 0 and heap:
-        _, neg_saved, i, pos = heapq.heappop(heap)
-        choices[i].chosen = choices[i].options[pos]
-        excess += neg_saved
+        slope, neg_saved, i, pos = heapq.heappop(heap)
+        c = choices[i]
+        if i in pinned or c.options.index(c.chosen) + 1 != pos:
+            continue  # stale: pinned, or moved since
+        now = step(i, pos)
+        if now is None:
+            continue
+        if (now[0], -now[1]) > (slope, neg_saved):  # dearer since it was pushed
+            heapq.heappush(heap, (now[0], -now[1], i, pos))
+            continue
+        c.chosen = c.options[pos]
+        if c.chosen.name == RECOMPUTE:
+            for j in c.pins:
+                choices[j].chosen = choices[j].keep
+                pinned.add(j)
+        excess -= now[1]
         push(i)
 
 
@@ -280,6 +343,61 @@ def windows(
     return out
 
 
+# --------------------------------------------------------------------- recompute
+
+
+def _recomputable(node: fx.Node) -> bool:
+    """A forward op the backward may run again for the same result: a functional ``aten``
+    or ``prims`` op (not mutating, not random) returning tensors, or one output of one."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return isinstance(node.args[0], fx.Node)  # its producer is checked on its own
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    if target._schema.is_mutable or any(
+        t in target.tags for t in (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+    ):
+        return False
+    if target.namespace == "prims" and target.__name__.startswith("inductor_"):
+        return False  # Inductor's seeds and random prims carry no nondeterministic tag
+    vals = pytree.tree_leaves(node.meta.get("val"))
+    return bool(vals) and all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def recompute_recipe(
+    saved: fx.Node,
+    exact: set[fx.Node],
+    order: dict[fx.Node, int],
+    limit: int = RECOMPUTE_MAX_NODES,
+) -> Recipe | None:
+    """The forward ops between ``saved`` and the nodes in ``exact`` (saved tensors the
+    backward reads exactly, inputs the caller keeps), or None: more than ``limit`` ops, or
+    one that cannot run again (random, mutating, not a tensor op) on the way."""
+    nodes: set[fx.Node] = set()
+    frontier: set[fx.Node] = set()
+    stack = [saved]
+    while stack:
+        node = stack.pop()
+        if node in nodes or node in frontier:
+            continue
+        if node is not saved and node in exact:
+            frontier.add(node)
+            continue
+        if len(nodes) >= limit or not _recomputable(node):
+            return None
+        nodes.add(node)
+        stack.extend(node.all_input_nodes)
+    return Recipe(tuple(sorted(nodes, key=order.__getitem__)), tuple(sorted(frontier, key=order.__getitem__)))
+
+
+def recompute_ms(recipe: Recipe, rates: Rates) -> float:
+    """The recipe's compute and one kernel per op (views and getitem are free)."""
+    ops = [n for n in recipe.nodes if n.target is not operator.getitem and not getattr(n.target, "is_view", False)]
+    return sum(_node_ms(n, rates) + rates.kernel_ms for n in ops)
+
+
 # ------------------------------------------------------------------------- driver
 
 
@@ -301,6 +419,7 @@ def plan(
     fw_g: fx.Graph,
     bw_g: fx.Graph,
     describe: Any,
+    exact: set[fx.Node] = frozenset(),
 ) -> Plan:
     """The plan for one budget pair.
 
@@ -310,6 +429,8 @@ def plan(
     (parameters, leaves) are not counted. The unit of choice is a storage: the saved tensors
     reading it (q, k, v of one projection) are packed together or kept, since keeping one
     keeps all of it. It costs its base tensor's bytes, however small the saved views.
+    ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
+    packs, inputs the caller keeps); those in this plan are pinned to keep when read.
     """
     from torch_patches.hooks.select import compiled_info, numerics_safe
 
@@ -333,6 +454,8 @@ def plan(
         spans = windows(nodes, bw_inputs, fw_g, bw_g, rates)
     else:  # no copy to hide: skip estimating the compute of every node
         spans = dict.fromkeys(nodes, (0.0, 0.0))
+    fw_order = {n: i for i, n in enumerate(fw_g.nodes)} if RECOMPUTE in spec.options else {}
+    unit_of = {root: i for i, root in enumerate(planned)}
     choices = []
     for root, saved in planned.items():
         per = []
@@ -344,20 +467,49 @@ def plan(
         options = [Option(KEEP, storage[root], 0.0)] + [
             Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
         ]
-        hull = lower_hull(options)
+        recipe, pins = None, ()
+        if fw_order and len(groups[root]) == 1:  # one tensor reads the storage: it goes
+            recipe = recompute_recipe(saved[0], exact, fw_order)
+        if recipe is not None:
+            units = (unit_of.get(act_inputs.storage_root(f)) for f in recipe.frontier)
+            pins = tuple(sorted({u for u in units if u is not None and u != len(choices)}))
+            options.append(Option(RECOMPUTE, 0, recompute_ms(recipe, rates)))
         text = describe(saved[0]) + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        choices.append(Choice(saved, text, storage[root], hull, hull[0]))
-    result = Plan(pair.label, spec, baseline, fixed, spec.target_bytes(baseline), choices)
-    solve(choices, result.predicted_bytes - result.budget_bytes)
-    return result
+        choices.append(Choice(saved, text, storage[root], options, options[0], recipe, pins))
+    # Storage options first; recompute only where they cannot meet the budget. Measured on
+    # CPU (mlp8, aot_eager, budget 0.5), a recompute plan the cost model rated faster than
+    # the storage plan peaked at 0.60x of no hooks against 0.52x: the backward rebuilds the
+    # tensor while the other saved tensors are still alive, which the model does not see.
+    runs = []
+    for with_recompute in (False, True):
+        run = [_on_hull(c, with_recompute) for c in choices]
+        candidate = Plan(pair.label, spec, baseline, fixed, spec.target_bytes(baseline), run)
+        solve(run, candidate.predicted_bytes - candidate.budget_bytes)
+        runs.append(candidate)
+        if candidate.met or not any(c.recipe for c in choices):
+            break
+    return min(runs, key=lambda p: (not p.met, p.predicted_bytes if not p.met else 0))
+
+
+def _on_hull(choice: Choice, with_recompute: bool) -> Choice:
+    """``choice`` (its options all listed, keep first) over the lower hull of its options,
+    with or without recompute, at the hull's first option."""
+    options = [o for o in choice.options if with_recompute or o.name != RECOMPUTE]
+    hull = lower_hull(options)
+    if hull[0].name == RECOMPUTE:  # free to recompute (views only): still a step, pins and all
+        hull.insert(0, options[0])
+    return dataclasses.replace(choice, options=hull, chosen=hull[0])
 
 
 def log_plan(result: Plan, artifact: logging.Logger) -> None:
     """The plan, per saved tensor and in total (``TORCH_LOGS="torch_patches"``)."""
     for c in result.choices:
+        reads = ""
+        if c.chosen.name == RECOMPUTE and c.recipe is not None:
+            reads = f" ({len(c.recipe.nodes)} ops from {', '.join(f.name for f in c.recipe.frontier)})"
         artifact.debug(
-            "budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms",
-            result.label, c.describe, c.chosen.name, c.chosen.device_bytes, c.chosen.ms,
+            "budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms%s",
+            result.label, c.describe, c.chosen.name, c.chosen.device_bytes, c.chosen.ms, reads,
         )
     artifact.debug(
         "budget plan (%s): %d B planned of %d B saved, budget %d B; est %.3f ms; %s",
@@ -365,7 +517,7 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
         result.estimated_ms, "met" if result.met else "NOT met",
     )
     if not result.met:
-        floor = result.fixed_bytes + sum(c.options[-1].device_bytes for c in result.choices)
+        floor = result.predicted_bytes  # the solver ran out of steps: its smallest plan
         exact = sorted((c for c in result.choices if len(c.options) == 1), key=lambda c: -c.nbytes)
         names = ", ".join(c.saved[0].name for c in exact[:3]) + (", ..." if len(exact) > 3 else "")
         warnings.warn(
@@ -373,8 +525,9 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
             f"cannot be met in scope {result.label!r}: the smallest plan keeps {floor} B. "
             f"{result.fixed_bytes} B of it cannot be hooked (integer tensors, graph inputs), "
             f"{sum(c.nbytes for c in exact)} B have no allowed option ({names or 'none'}: "
-            "numerics_safe keeps them exact and offload needs CUDA). Saving as much as "
-            "possible; torch._functorch.config.activation_memory_budget can recompute more",
+            "numerics_safe keeps them exact, offload needs CUDA, recompute needs a short chain "
+            "of ops from tensors kept exact). Saving as much as possible; "
+            "torch._functorch.config.activation_memory_budget can recompute more",
             stacklevel=2,
         )
 
@@ -382,19 +535,24 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
 def apply_plans(
     hookable: dict[fx.Node, HookPair],
     candidates: list[tuple[fx.Node, HookPair]],
+    saved_tensors: list[fx.Node],
     inputs: dict[fx.Node, str | None],
+    held: set[fx.Node],
     bw_inputs: dict[str, fx.Node],
     fw_g: fx.Graph,
     bw_g: fx.Graph,
     artifact: logging.Logger,
     describe: Any,
-) -> dict[fx.Node, HookPair]:
+) -> tuple[dict[fx.Node, HookPair], dict[fx.Node, Recipe]]:
     """``hookable`` with every budget pair replaced by its plan's option per saved tensor
-    (saved tensors the plan keeps are dropped)."""
+    (saved tensors the plan keeps or recomputes are dropped), and the recomputed ones with
+    their recipes.  ``held``: forward inputs the caller keeps (a recomputation may read
+    them)."""
     from torch_patches._functorch._aot_autograd.graph_surgery import alias_roots
     from torch_patches.hooks.budget import unwrap_budget
 
     out = dict(hookable)
+    recomputed: dict[fx.Node, Recipe] = {}
     for pair in dict.fromkeys(p for _, p in candidates):
         spec = unwrap_budget((pair.pack, pair.unpack))
         if spec is None:
@@ -403,9 +561,15 @@ def apply_plans(
         mine = {s: p for s, p in hookable.items() if p is pair}
         aliases = alias_roots(mine)
         plannable = [s for s in mine if s not in aliases]
-        result = plan(pair, spec, members, plannable, aliases, inputs, bw_inputs, fw_g, bw_g, describe)
+        # What a recomputation may read: inputs the caller keeps, and saved tensors that
+        # reach the backward exact (no other hooks; this plan pins its own to keep).
+        exact = held | {
+            s for s in saved_tensors if s.name in bw_inputs and hookable.get(s, pair) is pair
+        }
+        result = plan(pair, spec, members, plannable, aliases, inputs, bw_inputs, fw_g, bw_g, describe, exact)
         log_plan(result, artifact)
         chosen = {s: c.chosen.name for c in result.choices for s in c.saved}
+        recomputed |= {c.saved[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
         for alias, root in aliases.items():
             chosen[alias] = chosen.get(root, KEEP)
         for s in mine:
@@ -415,6 +579,8 @@ def apply_plans(
                 )
                 artifact.debug("saved %s left unhooked: %s", describe(s), why)
                 del out[s]
+            elif chosen[s] == RECOMPUTE:
+                del out[s]
             else:
                 out[s] = HookPair(*option_hooks(chosen[s]), pair.label)
-    return out
+    return out, recomputed

@@ -101,6 +101,25 @@ def activation_inputs(
     return out
 
 
+def held_by_caller(fw_module: fx.GraphModule, inner_meta: Any, static_input_indices: Iterable[int]) -> set[fx.Node]:
+    """Forward placeholders the caller keeps alive through the backward and the graph does
+    not mutate: parameters and buffers (static inputs), inputs that do not require grad,
+    and leaves.  The backward may read them exactly at no memory cost (a budget plan's
+    recomputation).  Empty when the placeholders cannot be mapped to input descriptors."""
+    placeholders = fw_module.graph.find_nodes(op="placeholder")
+    infos = list(getattr(inner_meta, "input_info", None) or ())
+    if len(infos) != len(placeholders):
+        return set()
+    static = set(static_input_indices)
+    return {
+        ph
+        for i, (ph, info) in enumerate(zip(placeholders, infos))
+        if (i in static or not info.requires_grad or info.is_leaf)
+        and not (info.mutates_data or info.mutates_metadata)
+        and isinstance(ph.meta.get("val"), torch.Tensor)
+    }
+
+
 def partially_hooked(
     saved_tensors: Iterable[fx.Node],
     hooked: Iterable[fx.Node],

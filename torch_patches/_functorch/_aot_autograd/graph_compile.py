@@ -276,6 +276,7 @@ def _inline(
         (n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors
     ]
     candidates = [(n, p) for n, p in candidates if p is not None]
+    candidate_pairs = dict(candidates)
     if not candidates:
         return
     allowed = _filtered_by_mode(
@@ -315,8 +316,9 @@ def _inline(
         hookable[saved] = pair
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.
-    hookable = activation_budget.apply_plans(
-        hookable, candidates, inputs, bw_inputs, fw_g, bw_g, artifact, _describe_saved
+    held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
+    hookable, recomputed = activation_budget.apply_plans(
+        hookable, candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g, artifact, _describe_saved
     )
     if allowed is not None:
         for saved, why in act_inputs.partially_hooked(saved_tensors, hookable, inputs).items():
@@ -348,7 +350,7 @@ def _inline(
             out = out[0]
         restride = hook_tracing.check_unpacked(out, val, pair, saved)
         plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride))
-    if not plans:
+    if not plans and not recomputed:
         return
 
     # Phase 2: rewrite the graphs.
@@ -377,7 +379,17 @@ def _inline(
             bw_order,
             placement,
         )
+    extra_inputs: dict[fx.Node, fx.Node] = {}
+    for saved, recipe in recomputed.items():
+        label = candidate_pairs[saved].label
+        packed_leaves[saved] = graph_surgery.insert_recompute(
+            saved, recipe.nodes, recipe.frontier, label, bw_module, bw_inputs, bw_order, extra_inputs
+        )
+    bw_input_of |= extra_inputs
     graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
+    for saved, recipe in recomputed.items():
+        graph_surgery.drop_dead_recomputed(fw_g, recipe.nodes)
+        artifact.debug("saved %s recomputed in the backward by the budget plan", saved.name)
     for plan in plans:
         artifact.debug("saved %s hooked: %s", _describe_saved(plan.saved), plan.pair.names)
     fw_g.lint()

@@ -348,6 +348,62 @@ def insert_unpack(
     return new_inputs
 
 
+def insert_recompute(
+    saved: fx.Node,
+    nodes: tuple[fx.Node, ...],
+    frontier: tuple[fx.Node, ...],
+    label: str,
+    bw_module: fx.GraphModule,
+    bw_inputs: dict[str, fx.Node],
+    order: dict[fx.Node, int],
+    extra_inputs: dict[fx.Node, fx.Node],
+) -> list[fx.Node]:
+    """Recompute ``saved`` in the backward: copy the forward ``nodes`` right before its first
+    backward use, reading ``frontier`` (saved tensors through their backward inputs, other
+    forward nodes through new backward inputs, shared via ``extra_inputs``).  Returns the
+    forward nodes the graph must now save for it (``rewire_saved``'s packed leaves)."""
+    bw_g = bw_module.graph
+    bw_input = bw_inputs[saved.name]
+    env: dict[fx.Node, Any] = {}
+    leaves = []
+    for node in frontier:
+        if node.name in bw_inputs:
+            env[node] = bw_inputs[node.name]
+            continue
+        if node not in extra_inputs:
+            with bw_g.inserting_before(bw_input):
+                new = bw_g.placeholder(node.name)  # same name as the forward output
+            new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")}
+            extra_inputs[node] = new
+        env[node] = extra_inputs[node]
+        leaves.append(node)
+    tag = {"role": "recompute", "saved": saved.name, "hook": label}
+    names = {saved: _unique((saved.graph, bw_g), f"{saved.name}_recomputed")}
+    with bw_g.inserting_before(_backward_insert_before(bw_input, order, "use", 0)):
+        for node in nodes:
+            new = bw_g.create_node(
+                node.op,
+                node.target,
+                fx.map_arg(node.args, env.__getitem__),
+                fx.map_arg(node.kwargs, env.__getitem__),
+                name=names.get(node) or _unique((saved.graph, bw_g), node.name),
+                type_expr=node.type,
+            )
+            new.meta = copy.copy(node.meta)
+            new.meta[HOOK_META] = dict(tag)
+            env[node] = new
+    bw_input.replace_all_uses_with(env[saved])
+    bw_g.erase_node(bw_input)
+    return leaves
+
+
+def drop_dead_recomputed(fw_g: fx.Graph, nodes: tuple[fx.Node, ...]) -> None:
+    """Erase the forward ``nodes`` (pure ops) that nothing reads once no longer saved."""
+    for node in reversed(nodes):
+        if not node.users:
+            fw_g.erase_node(node)
+
+
 def rewire_saved(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
