@@ -284,6 +284,27 @@ class GraphModule(torch.nn.Module):
         logits = [l for l in self.plan_log.lines if "float32[16, 32]" in l]
         self.assertTrue(logits and all("-> recompute" in l for l in logits), self.plan_log.lines)
 
+    def test_dynamic_shapes_recompute_without_recompiling(self, device):
+        # The cost model reads sizes through their hints: evaluating a symbolic flop count
+        # would guard on it and recompile at every new batch size.
+        def head(x, w):
+            return torch.log_softmax(x @ w, dim=-1).sum()
+
+        counter = CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(head, backend=counter, dynamic=True)
+        w = torch.randn(8, 32, device=device, requires_grad=True)
+        for n in (16, 24):
+            x = torch.randn(n, 8, device=device, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
+                fn(x, w).backward()
+            got = [x.grad, w.grad]
+            x.grad = w.grad = None
+            head(x, w).backward()
+            self.assertEqual(got, [x.grad, w.grad])
+            w.grad = None
+        self.assertEqual(counter.frame_count, 1)
+        self.assertEqual(set(self.plan_log.choices().values()), {"recompute"})
+
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
             return torch.log_softmax(x @ w, dim=-1).sum()

@@ -292,16 +292,27 @@ def solve(choices: list[Choice], excess: int) -> None:
 # ---------------------------------------------------------------- compute windows
 
 
+def _hinted(value: Any) -> Any:
+    """``value`` with every symbolic size replaced by its hint: a meta tensor for a tensor.
+
+    The estimates must never touch a symbolic expression: evaluating one (``float()``, a
+    comparison) installs a guard on the graph's shapes, and a dynamic-shape graph would
+    recompile at every new size."""
+    from torch_patches.hooks.select import _size_hint
+
+    if isinstance(value, torch.Tensor):
+        return torch.empty([_size_hint(d) for d in value.shape], dtype=value.dtype, device="meta")
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _size_hint(value)
+    return value
+
+
 def _node_ms(node: fx.Node, rates: Rates) -> float:
     if node.op != "call_function":
         return 0.0
-    vals = [a.meta.get("val") for a in node.all_input_nodes]
-    out = node.meta.get("val")
-    moved = sum(
-        v.numel() * v.element_size()
-        for v in pytree.tree_leaves((vals, out))
-        if isinstance(v, torch.Tensor) and not isinstance(v.numel(), torch.SymInt)
-    )
+    vals = [_hinted(a.meta.get("val")) for a in node.all_input_nodes]
+    out = pytree.tree_map(_hinted, node.meta.get("val"))
+    moved = sum(v.numel() * v.element_size() for v in pytree.tree_leaves((vals, out)) if isinstance(v, torch.Tensor))
     return max(_flops(node) / rates.flops_per_ms, moved / rates.memory_bytes_per_ms)
 
 
@@ -312,10 +323,11 @@ def _flops(node: fx.Node) -> float:
     formula = flop_registry.get(packet)
     if formula is None:
         return 0.0
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: pytree.tree_map(_hinted, a.meta.get("val")), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map(_hinted, (args, kwargs))
     try:
-        return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no estimate
+        return float(formula(*args, **kwargs, out_val=pytree.tree_map(_hinted, node.meta.get("val"))))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments: no estimate
         return 0.0
 
 
