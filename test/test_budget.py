@@ -305,6 +305,33 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(counter.frame_count, 1)
         self.assertEqual(set(self.plan_log.choices().values()), {"recompute"})
 
+    def test_recipes_sharing_ops_and_dead_forward_ops(self, device):
+        # Two heads on one weight: both recipes read the same transposed weight, and the
+        # detach chains the forward computed only to save them are erased from it.
+        def heads(x, y, w):
+            return torch.log_softmax(F.linear(x, w), -1).sum() + torch.log_softmax(F.linear(y, w), -1).sum()
+
+        from torch_patches.testing import AotEagerAndRecordGraphs
+
+        x, y = (torch.randn(16, 8, device=device, requires_grad=True) for _ in range(2))
+        w = torch.randn(32, 8, device=device, requires_grad=True)
+        torch.compile(heads, backend="aot_eager", fullgraph=True)(x, y, w).backward()
+        want = [t.grad.clone() for t in (x, y, w)]
+        x.grad = y.grad = w.grad = None
+        torch._dynamo.reset()
+        rec = AotEagerAndRecordGraphs()
+        with torch.autograd.graph.saved_tensors_hooks(*budget(0.1, options=("recompute",))):
+            loss = torch.compile(heads, backend=rec, fullgraph=True)(x, y, w)
+        self.assertEqual(saved_bytes(loss, exclude=[x, y, w]), 0)
+        loss.backward()
+        self.assertGradsEqual([x.grad, y.grad, w.grad], want, exact=True)
+        self.assertEqual(list(self.plan_log.choices().values()), ["recompute", "recompute"])
+        fw = rec.fw_graphs[0].graph
+        dead = [n.name for n in fw.nodes if n.op == "call_function" and not n.users]
+        self.assertEqual(dead, [])
+        recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get("torch_patches_hook", {}).get("role") == "recompute"}
+        self.assertIn(torch.ops.aten._log_softmax.default, recomputed)
+
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
             return torch.log_softmax(x @ w, dim=-1).sum()

@@ -387,8 +387,8 @@ def _inline(
         )
     bw_input_of |= extra_inputs
     graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
-    for saved, recipe in recomputed.items():
-        graph_surgery.drop_dead_recomputed(fw_g, recipe.nodes)
+    graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
+    for saved in recomputed:
         artifact.debug("saved %s recomputed in the backward by the budget plan", saved.name)
     for plan in plans:
         artifact.debug("saved %s hooked: %s", _describe_saved(plan.saved), plan.pair.names)

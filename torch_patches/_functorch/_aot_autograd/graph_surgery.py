@@ -397,9 +397,11 @@ def insert_recompute(
     return leaves
 
 
-def drop_dead_recomputed(fw_g: fx.Graph, nodes: tuple[fx.Node, ...]) -> None:
-    """Erase the forward ``nodes`` (pure ops) that nothing reads once no longer saved."""
-    for node in reversed(nodes):
+def drop_dead_recomputed(fw_g: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the forward ``nodes`` (pure ops of every recipe; recipes may share ops) that
+    nothing reads once no longer saved, users before what they read."""
+    wanted = set(nodes)
+    for node in reversed([n for n in fw_g.nodes if n in wanted]):
         if not node.users:
             fw_g.erase_node(node)
 
