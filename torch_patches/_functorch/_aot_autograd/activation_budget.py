@@ -323,7 +323,7 @@ def _flops(node: fx.Node) -> float:
     formula = flop_registry.get(packet)
     if formula is None:
         return 0.0
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: pytree.tree_map(_hinted, a.meta.get("val")), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
     args, kwargs = pytree.tree_map(_hinted, (args, kwargs))
     try:
         return float(formula(*args, **kwargs, out_val=pytree.tree_map(_hinted, node.meta.get("val"))))
