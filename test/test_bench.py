@@ -215,8 +215,8 @@ class TestBudgetRows(TestCase):
         logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
         with bench._BudgetPlan.recording() as plan:
             logger.debug("budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms", "fw", "a", "b", 7, 0.1)
-            logger.debug("budget plan (%s): %d B planned of %d B saved, budget %d B; est %.3f ms; %s",
-                         "graph 0", 300, 1000, 500, 0.5, "ok")
+            logger.debug("budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s",
+                         "graph 0", 300, 1000, 500, 450, "backward node mm", 0.5, "met")
             logger.debug("budget plan (graph 1): 200 B planned of 400 B saved, budget 200 B")
         logger.debug("budget plan (graph 2): 1 B planned of 1 B saved, budget 1 B")  # not recording
         self.assertEqual((plan.graphs, plan.planned, plan.saved, plan.budget), (2, 500, 1400, 700))

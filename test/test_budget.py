@@ -30,13 +30,14 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import _logging as tp_logging, config as tp_config
 from torch_patches._functorch._aot_autograd import activation_budget as ab
-from torch_patches.bench import Case, build_model, example_input, saved_bytes
+from torch_patches.bench import Case, block_working_set, blocks_of, build_model, example_input, saved_bytes
 from torch_patches.hooks import budget, chain, cpu_offload, fp8_rowwise, inlineable, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
-from torch_patches.testing import TestCase, instantiate_device_type_tests
+from torch_patches.testing import TestCase, instantiate_device_type_tests, peak_bytes
 
 
 _SUMMARY = re.compile(r"budget plan \(([^)]*)\): (\d+) B planned of (\d+) B saved, budget (\d+) B")
+_PEAK = re.compile(r"budget plan \(([^)]*)\): \d+ B planned .*; peak (\d+) B at ")
 _CHOICE = re.compile(r"budget plan \(([^)]*)\): saved (\w+) .*-> ([\w+]+), (\d+) B on device")
 
 
@@ -54,6 +55,10 @@ class PlanLog(logging.Handler):
 
     def summaries(self):
         return [tuple(int(g) for g in m.groups()[1:]) for m in map(_SUMMARY.match, self.lines) if m]
+
+    def peaks(self):
+        """The plans' predicted peaks: the most saved bytes held at any point of the backward."""
+        return [int(m.group(2)) for m in map(_PEAK.match, self.lines) if m]
 
     def choices(self):
         return {m.group(2): m.group(3) for m in map(_CHOICE.match, self.lines) if m}
@@ -226,72 +231,149 @@ class TestRecompute(TestCase):
         self.assertEqual([c.chosen.name for c in third], ["fp8", "keep"])
 
 
+class TestTimeline(TestCase):
+    """The plan bounds the saved bytes at every point of the backward, not only at the
+    forward's end: a storage is held in its stored form until its first backward use, at
+    full size from there to its last."""
+
+    @staticmethod
+    def plan(budget_bytes, *units):
+        choices = []
+        for name, nbytes, span, options, transient in units:
+            opts = [_opt("keep", nbytes, 0.0), *options]
+            choices.append(ab.Choice(None, name, nbytes, opts, opts[0], span=ab.Span(*span), transient=transient))
+        return ab.Plan("t", None, sum(c.nbytes for c in choices), 0, budget_bytes, choices)
+
+    def test_later_points_are_met_first(self):
+        # a is used first and is the cheaper to compress. At the forward's end compressing a
+        # fits the budget, but at a's first use it is back at full size beside b, kept:
+        # 2000 B. Only b's compression helps there; then the forward's end fits too.
+        def units(budget_bytes):
+            return self.plan(
+                budget_bytes,
+                ("a", 1000, (0, 0), [_opt("fp8", 250, 0.1)], 0),
+                ("b", 1000, (5, 5), [_opt("fp8", 250, 1.0)], 0),
+            )
+
+        end_only = units(1300)
+        ab.solve(end_only.choices, end_only.live(-1) - 1300)
+        self.assertEqual([c.chosen.name for c in end_only.choices], ["fp8", "keep"])
+        self.assertEqual((end_only.predicted_bytes, end_only.peak), (1250, (2000, 0)))
+        timeline = units(1300)
+        ab.fit(timeline)
+        self.assertEqual([c.chosen.name for c in timeline.choices], ["keep", "fp8"])
+        self.assertEqual((timeline.peak, timeline.met, timeline.points), ((1250, -1), True, [-1, 0, 5]))
+        # Below the floor (a at full size beside b compressed): as small as it gets, not met.
+        floor = units(1200)
+        ab.fit(floor)
+        self.assertEqual([c.chosen.name for c in floor.choices], ["fp8", "fp8"])
+        self.assertEqual((floor.peak, floor.met, floor.live(-1), floor.live(5)), ((1250, 0), False, 500, 1000))
+
+    def test_recompute_refused_where_its_ops_raise_a_point_over_the_budget(self):
+        # e is used first (and has no option), c after it. Recomputing c frees its bytes
+        # until then, but the ops rebuilding it allocate `transient` bytes beside it.
+        def units(transient):
+            result = self.plan(
+                1500,
+                ("e", 1000, (1, 1), [], 0),
+                ("c", 1000, (2, 2), [_opt("recompute", 0, 0.1)], transient),
+            )
+            ab.fit(result)
+            return [ch.chosen.name for ch in result.choices], result.peak, result.met
+
+        self.assertEqual(units(400), (["keep", "recompute"], (1400, 2), True))
+        self.assertEqual(units(1000), (["keep", "keep"], (2000, -1), False))
+
+    def test_spans_follow_views_and_unused_storages_stay(self):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def bw(a, b, g):
+            v = a.t()  # a view: a's storage lives until v's last use
+            h = g * b
+            return torch.mm(h, v), b.sum()
+
+        gm = make_fx(bw, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        names = {n.name: n for n in gm.graph.nodes}
+        saved = [types.SimpleNamespace(name=n) for n in ("a_1", "b_1", "gone")]
+        span = lambda *s: ab.backward_span(list(s), {n.name: names[n.name] for n in s if n.name in names}, pos)
+        a, b, gone = saved
+        self.assertEqual(span(a), ab.Span(pos[names["t"]], pos[names["mm"]]))
+        self.assertEqual(span(b), ab.Span(pos[names["mul"]], pos[names["sum_1"]]))
+        self.assertEqual(span(gone), ab.Span(len(pos), len(pos)))
+
+
 class TestRecomputeInGraphs(BudgetTestCase):
-    def test_logits_recomputed_from_the_inputs(self, device):
-        # The lm-head pattern: log_softmax's output (what its backward reads) is the saved
-        # activation; numerics_safe keeps it exact, and on CPU nothing else can shrink it.
-        def head(x, w):
-            return torch.log_softmax(x @ w, dim=-1).sum()
+    def test_recompute_where_it_lowers_the_peak(self, device):
+        # tanh's output (its backward reads it) and pow's input, the product x @ w, are
+        # saved: 2 KiB each. The backward uses tanh's output first and frees it before pow's
+        # backward needs the product, so recomputing the product there (one op, from the
+        # inputs) halves the saved bytes at every point: budget 0.5 is met by recompute alone.
+        def f(x, w):
+            return (x @ w).pow(2).tanh().sum()
 
         from torch_patches.testing import AotEagerAndRecordGraphs
 
         x = torch.randn(16, 8, device=device, requires_grad=True)
         w = torch.randn(8, 32, device=device, requires_grad=True)
-        torch.compile(head, backend="aot_eager", fullgraph=True)(x, w).backward()
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x, w).backward()
         want = [x.grad.clone(), w.grad.clone()]
         torch._dynamo.reset()
         x.grad = w.grad = None
         rec = AotEagerAndRecordGraphs()
         with torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
-            loss = torch.compile(head, backend=rec, fullgraph=True)(x, w)
+            loss = torch.compile(f, backend=rec, fullgraph=True)(x, w)
         held = saved_bytes(loss, exclude=[x, w])
         loss.backward()
-        self.assertEqual(held, 0)
+        self.assertEqual(held, 16 * 32 * 4)
         self.assertGradsEqual([x.grad, w.grad], want, exact=True)
         (planned, baseline, limit), = self.plan_log.summaries()
-        self.assertEqual((planned, baseline), (0, 16 * 32 * 4))
+        self.assertEqual((planned, baseline, self.plan_log.peaks()), (2048, 4096, [2048]))
+        self.assertEqual(self.plan_log.choices(), {"mm": "recompute", "detach_1": "keep"})
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_w: "f32[8, 32]", primals_x: "f32[16, 8]", t: "f32[8, 16]", t_1: "f32[32, 8]", tangents_1: "f32[]"):
+    def forward(self, primals_w: "f32[8, 32]", primals_x: "f32[16, 8]", detach_1: "f32[16, 32]", t: "f32[8, 16]", t_1: "f32[32, 8]", tangents_1: "f32[]"):
         expand: "f32[16, 32]" = torch.ops.aten.expand.default(tangents_1, [16, 32]);  tangents_1 = None
-        mm: "f32[16, 32]" = torch.ops.aten.mm.default(primals_x, primals_w);  primals_x = primals_w = None  # recompute(detach_1)
-        _log_softmax: "f32[16, 32]" = torch.ops.aten._log_softmax.default(mm, -1, False);  mm = None  # recompute(detach_1)
-        detach: "f32[16, 32]" = torch.ops.aten.detach.default(_log_softmax);  _log_softmax = None  # recompute(detach_1)
-        detach_1_recomputed: "f32[16, 32]" = torch.ops.aten.detach.default(detach);  detach = None  # recompute(detach_1)
-        _log_softmax_backward_data: "f32[16, 32]" = torch.ops.aten._log_softmax_backward_data.default(expand, detach_1_recomputed, -1, torch.float32);  expand = detach_1_recomputed = None
-        mm_1: "f32[8, 32]" = torch.ops.aten.mm.default(t, _log_softmax_backward_data);  t = None
-        mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(_log_softmax_backward_data, t_1);  _log_softmax_backward_data = t_1 = None
-        return (mm_1, mm_2)""")
+        tanh_backward: "f32[16, 32]" = torch.ops.aten.tanh_backward.default(expand, detach_1);  expand = detach_1 = None
+        mm_recomputed: "f32[16, 32]" = torch.ops.aten.mm.default(primals_x, primals_w);  primals_x = primals_w = None  # recompute(mm)
+        pow: "f32[16, 32]" = torch.ops.aten.pow.Tensor_Scalar(mm_recomputed, 1.0);  mm_recomputed = None
+        mul: "f32[16, 32]" = torch.ops.aten.mul.Scalar(pow, 2.0);  pow = None
+        mul_1: "f32[16, 32]" = torch.ops.aten.mul.Tensor(tanh_backward, mul);  tanh_backward = mul = None
+        mm: "f32[8, 32]" = torch.ops.aten.mm.default(t, mul_1);  t = None
+        mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
+        return (mm, mm_1)""")
 
-    def test_logits_recomputed_under_inductor(self, device):
+    def test_recompute_refused_where_it_raises_the_peak(self, device):
+        # The lm-head pattern: log_softmax's output is what its backward reads first.
+        # Rebuilding it there holds the product x @ w and the output at once: twice what
+        # keeping it holds. The plan keeps it and says the budget cannot be met.
         def head(x, w):
             return torch.log_softmax(x @ w, dim=-1).sum()
 
         x = torch.randn(16, 8, device=device, requires_grad=True)
         w = torch.randn(8, 32, device=device, requires_grad=True)
-        head(x, w).backward()
-        want = [x.grad.clone(), w.grad.clone()]
-        x.grad = w.grad = None
-        with torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
-            loss = torch.compile(head, backend="inductor", fullgraph=True)(x, w)
-        held = saved_bytes(loss, exclude=[x, w])
-        loss.backward()
-        self.assertEqual([x.grad, w.grad], want)  # Inductor's own kernels: close, not bitwise
-        # Inductor saves the logits and log-softmax's row statistics (amax, log-sum-exp):
-        # the logits are recomputed, the statistics fit the budget.
-        (planned, baseline, limit), = self.plan_log.summaries()
-        self.assertEqual((held, planned, baseline), (2 * 16 * 4, 2 * 16 * 4, 16 * 32 * 4 + 2 * 16 * 4))
-        logits = [l for l in self.plan_log.lines if "float32[16, 32]" in l]
-        self.assertTrue(logits and all("-> recompute" in l for l in logits), self.plan_log.lines)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            self.plan_log.lines.clear()
+            with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
+                *budget(0.5, options=("recompute",))
+            ):
+                warnings.simplefilter("always")
+                torch.compile(head, backend=backend, fullgraph=True)(x, w).backward()
+            logits = [l for l in self.plan_log.lines if "float32[16, 32]" in l]
+            self.assertTrue(logits and all("-> keep" in l for l in logits), self.plan_log.lines)
+            warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
+            self.assertEqual(len(warned), 1, warned)
+            self.assertIn("in use there at full size", warned[0])
 
     def test_dynamic_shapes_recompute_without_recompiling(self, device):
         # The cost model reads sizes through their hints: evaluating a symbolic flop count
-        # would guard on it and recompile at every new batch size.
-        def head(x, w):
-            return torch.log_softmax(x @ w, dim=-1).sum()
+        # (the recomputed mm's) would guard on it and recompile at every new batch size.
+        def f(x, w):
+            return (x @ w).pow(2).tanh().sum()
 
         counter = CompileCounterWithBackend("aot_eager")
-        fn = torch.compile(head, backend=counter, dynamic=True)
+        fn = torch.compile(f, backend=counter, dynamic=True)
         w = torch.randn(8, 32, device=device, requires_grad=True)
         for n in (16, 24):
             x = torch.randn(n, 8, device=device, requires_grad=True)
@@ -299,17 +381,19 @@ class GraphModule(torch.nn.Module):
                 fn(x, w).backward()
             got = [x.grad, w.grad]
             x.grad = w.grad = None
-            head(x, w).backward()
+            f(x, w).backward()
             self.assertEqual(got, [x.grad, w.grad])
             w.grad = None
         self.assertEqual(counter.frame_count, 1)
-        self.assertEqual(set(self.plan_log.choices().values()), {"recompute"})
+        self.assertEqual(set(self.plan_log.choices().values()), {"recompute", "keep"})
 
     def test_recipes_sharing_ops_and_dead_forward_ops(self, device):
-        # Two heads on one weight: both recipes read the same transposed weight, and the
-        # detach chains the forward computed only to save them are erased from it.
+        # Two heads on one weight, each product saved for pow's backward: both recipes read
+        # the weight through their own transposes, and the forward no longer computes what
+        # it only computed to save. 0.1 is below what the backward must hold (one product,
+        # in use): both are recomputed, the most the plan can do, and it says so.
         def heads(x, y, w):
-            return torch.log_softmax(F.linear(x, w), -1).sum() + torch.log_softmax(F.linear(y, w), -1).sum()
+            return F.linear(x, w).pow(2).sum() + F.linear(y, w).pow(2).sum()
 
         from torch_patches.testing import AotEagerAndRecordGraphs
 
@@ -320,17 +404,22 @@ class GraphModule(torch.nn.Module):
         x.grad = y.grad = w.grad = None
         torch._dynamo.reset()
         rec = AotEagerAndRecordGraphs()
-        with torch.autograd.graph.saved_tensors_hooks(*budget(0.1, options=("recompute",))):
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
+            *budget(0.1, options=("recompute",))
+        ):
+            warnings.simplefilter("always")
             loss = torch.compile(heads, backend=rec, fullgraph=True)(x, y, w)
         self.assertEqual(saved_bytes(loss, exclude=[x, y, w]), 0)
         loss.backward()
         self.assertGradsEqual([x.grad, y.grad, w.grad], want, exact=True)
         self.assertEqual(list(self.plan_log.choices().values()), ["recompute", "recompute"])
+        self.assertEqual(self.plan_log.peaks(), [16 * 32 * 4])
+        self.assertEqual(len([w for w in caught if "cannot be met" in str(w.message)]), 1)
         fw = rec.fw_graphs[0].graph
         dead = [n.name for n in fw.nodes if n.op == "call_function" and not n.users]
         self.assertEqual(dead, [])
         recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get("torch_patches_hook", {}).get("role") == "recompute"}
-        self.assertIn(torch.ops.aten._log_softmax.default, recomputed)
+        self.assertEqual(recomputed, {torch.ops.aten.mm.default, torch.ops.aten.t.default})
 
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
@@ -428,23 +517,35 @@ _SIZES = {"mlp8": dict(batch=512, dim=64, blocks=4), "transformer": dict(batch=2
 class TestBudgetOnModels(BudgetTestCase):
     def check_budgets(self, name, device, fractions, backend="aot_eager", unreachable=(), **kw):
         model, x = _model(name, device, **kw)
+        # The issue's working-set margin: what a budget cannot remove (the parameters'
+        # gradients) and the one block whose backward runs at a time (bench.block_working_set).
+        margin = sum(p.numel() * p.element_size() for p in model.parameters()) + block_working_set(
+            model, x, blocks_of(model, Case(model=name, device=device, **kw))
+        )
         for fraction in fractions:
             with self.subTest(fraction=fraction):
                 torch._dynamo.reset()
                 self.plan_log.lines.clear()
                 fn = torch.compile(model, backend=backend)
+                hooks = budget(fraction)
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    held, _ = _step(fn, model, x, budget(fraction))
+                    held, _ = _step(fn, model, x, hooks)
+                peak = peak_bytes(lambda: _step(fn, model, x, hooks), device)
                 (planned, baseline, limit), = self.plan_log.summaries()
+                (predicted_peak,) = self.plan_log.peaks()
                 self.assertEqual(limit, int(fraction * baseline))
+                self.assertLessEqual(planned, predicted_peak)
                 warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
                 if fraction in unreachable:
-                    self.assertGreater(planned, limit)
+                    self.assertGreater(predicted_peak, limit)
                     self.assertEqual(len(warned), 1)
                 else:
-                    self.assertLessEqual(planned, limit)
+                    # Met at every point of the backward, so the step's peak is within the
+                    # budget plus the working set.
+                    self.assertLessEqual(predicted_peak, limit)
                     self.assertEqual(warned, [])
+                    self.assertLessEqual(peak, limit + margin, (peak, limit, margin))
                 # What the autograd graph really holds at the forward's end is the plan.
                 self.assertLessEqual(abs(held - planned), 0.01 * planned, (held, planned))
         torch._dynamo.reset()
@@ -452,28 +553,36 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertLess(abs(no_hooks - baseline), 0.1 * baseline, (no_hooks, baseline))
 
     def test_mlp8_budgets_met_and_predicted(self, device):
-        self.check_budgets("mlp8", device, (0.3, 0.5, 0.7, 0.9), **_SIZES["mlp8"])
+        # The floor: one block's tensors at full size in its backward beside the others in
+        # fp8 (0.35 of the saved bytes at these sizes, 4 blocks).
+        self.check_budgets("mlp8", device, (0.3, 0.4, 0.5, 0.7, 0.9), unreachable=(0.3,), **_SIZES["mlp8"])
 
     def test_transformer_budgets_met_and_predicted(self, device):
-        self.check_budgets("transformer", device, (0.3, 0.6, 0.9), **_SIZES["transformer"])
+        self.check_budgets("transformer", device, (0.3, 0.4, 0.6, 0.9), unreachable=(0.3,), **_SIZES["transformer"])
 
     @pytest.mark.slow
     def test_transformer_inductor(self, device):
-        self.check_budgets("transformer", device, (0.3, 0.6), backend="inductor", **_SIZES["transformer"])
+        self.check_budgets(
+            "transformer", device, (0.3, 0.4, 0.6), backend="inductor", unreachable=(0.3,), **_SIZES["transformer"]
+        )
 
     @pytest.mark.slow
     def test_llama_budgets_met_and_predicted(self, device):
         pytest.importorskip("transformers")
         kw = dict(batch=512, dim=128, blocks=2)
-        self.check_budgets("llama", device, (0.3, 0.5, 0.7, 0.9), backend="aot_eager", **kw)
-        # Inductor saves the logits (512 x 4096 float32, half of what the graph saves) for
-        # log-softmax's backward: numerics_safe keeps them exact, and without CUDA there is
-        # no offload. Budgets below ~0.65 are met by recomputing them in the backward from
-        # the final norm's output (pinned exact) and lm_head's weight.
-        self.check_budgets("llama", device, (0.9, 0.7, 0.5, 0.3), backend="inductor", **kw)
-        if device == "cpu":  # the lines of 0.3: the logits are recomputed
+        # The logits (512 x 4096 float32) are half of what the graph saves at these sizes,
+        # and the backward's first op reads them at full size beside everything not used
+        # yet: 0.64 of the saved bytes at best on CPU (no offload). Below that the plan warns
+        # and holds as little as it can.
+        self.check_budgets("llama", device, (0.3, 0.5, 0.7, 0.9), unreachable=(0.3, 0.5), **kw)
+        # Inductor saves the logits before the log-softmax; numerics_safe keeps them exact.
+        # Recomputing them (from the final norm's output and lm_head's weight) would free
+        # them at the forward's end, but rebuilding them holds the product and the output at
+        # once where the backward starts: the plan keeps them.
+        self.check_budgets("llama", device, (0.9, 0.7, 0.5, 0.3), backend="inductor", unreachable=(0.3, 0.5), **kw)
+        if device == "cpu":  # the lines of 0.3
             logits = [l for l in self.plan_log.lines if "float32[512, 4096]" in l]
-            self.assertTrue(logits and all("-> recompute" in l for l in logits), logits)
+            self.assertTrue(logits and all("-> keep" in l for l in logits), logits)
 
     def test_plan_is_applied_as_logged(self, device):
         # The same gradients as hand-written select pairs doing what the log says; the
@@ -601,8 +710,11 @@ class TestBudgetOnModels(BudgetTestCase):
             _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.01))
         msgs = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
         self.assertEqual(len(msgs), 1, [str(w.message) for w in caught])
-        self.assertRegex(msgs[0], r"budget\(0.01 of the saved bytes.*scope 'ambient': the smallest plan keeps \d+ B")
-        self.assertRegex(msgs[0], r"\d+ B of it cannot be hooked .*, \d+ B have no allowed option")
+        self.assertRegex(msgs[0], r"budget\(0.01 of the saved bytes.*scope 'ambient': the smallest plan found holds "
+                                  r"\d+ B of saved tensors at backward node \w+\.")
+        # The backward starts with the last block: its up projection and sigmoid at full size.
+        self.assertRegex(msgs[0], r"Of those, 524288 B are in use there at full size \(mm_6, sigmoid_3\), \d+ B cannot "
+                                  r"be hooked .*, and \d+ B have no allowed option")
         self.assertLessEqual(set(self.plan_log.choices().values()), {"fp8", "recompute", "keep"})
 
     def test_options_restrict_the_plan(self, device):

@@ -48,7 +48,40 @@ __all__ = [
     "hook_nodes",
     "instantiate_device_type_tests",
     "normalize_graph",
+    "peak_bytes",
 ]
+
+
+def peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
+    """The most memory ``fn`` holds on ``device`` at once beyond what it held on entry.
+
+    CUDA: the caching allocator's peak.  CPU: the profiler's allocation events (every
+    allocation and free of the CPU allocator, Inductor's buffers included), summed in
+    time order."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    held = most = 0
+    for _, size in sorted(sizes):
+        held += size
+        most = max(most, held)
+    return most
 
 
 class TestCase(torch._dynamo.test_case.TestCase):

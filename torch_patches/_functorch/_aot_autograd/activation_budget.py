@@ -16,8 +16,12 @@ and this plan covers what it left saved); this module chooses, per saved tensor,
   ops, none random or mutating; exact, so offered whatever ``numerics_safe`` says;
   only to a saved tensor that is the one reader of its storage,
 
-so that the bytes the graph keeps on its device for the backward fit the budget at the
-least estimated time.  Lossy options are offered only for tensors
+so that the bytes the saved tensors hold on their device fit the budget at every point from
+the forward's end through the backward, at the least estimated time.  A saved storage is
+held in its stored form until its first backward use and at full size from there to its
+last (:class:`Span`), so the backward's first uses are where it can peak; bounding only the
+forward's end would let a plan be "met" while the backward rebuilds a tensor beside
+everything not used yet.  Lossy options are offered only for tensors
 :func:`~torch_patches.hooks.select.numerics_safe` accepts.
 
 Cost model (every figure from the graph's metadata and config knobs, no measurement, so the
@@ -41,13 +45,16 @@ compiled graph):
 Solver: the multiple-choice knapsack's greedy over each tensor's lower convex hull of
 (bytes, time): starting from keep everywhere, repeatedly take the step that saves bytes at
 the least time per byte (ties: more bytes first, then graph order) until the saved bytes fit
-the budget.  Deterministic.  Recompute couples tensors: taking it pins the saved tensors
-it reads to ``keep`` (undoing what they saved), so its step is re-priced when it comes up
-(a lazy greedy) and dropped when it would no longer save bytes.  Recompute is the
-fallback: the greedy runs with the storage options only, and only when that cannot meet
-the budget again with recompute too (measured on CPU, a recompute plan rated faster than a
-storage plan that met the budget peaked higher: see ``plan``).  If neither run meets
-it, the smaller plan is taken and a warning says by how much it misses.
+the budget (:func:`solve`).  The constraint at a point of the backward is a knapsack over
+the storages first used after it, so the constraints nest; :func:`fit` meets them from the
+last point to the forward's end.  Deterministic.  Recompute couples tensors: taking it pins
+the saved tensors it reads to ``keep`` (undoing what they saved), so its step is re-priced
+when it comes up (a lazy greedy) and dropped when it would no longer save bytes; its ops
+allocate bytes besides the tensor they rebuild, counted at its first use, and a step that
+would raise a point over the budget is refused.  Recompute is the fallback: the greedy runs
+with the storage options only, and only when that cannot meet the budget again with
+recompute too.  If neither run meets it, the one with the lower peak is taken and a warning
+says where the backward holds too much.
 """
 
 from __future__ import annotations
@@ -121,6 +128,23 @@ class Recipe:
     frontier: tuple[fx.Node, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Where the backward uses a saved storage: positions (in the backward graph's node
+    order) of its first and its last use, views of it included.  Until ``first`` it is
+    held in its stored form, from ``first`` to ``last`` at full size (unpacked or
+    recomputed right before ``first``), and after ``last`` it is freed.  Position ``-1`` is
+    the end of the forward, before the backward runs anything."""
+
+    first: int
+    last: int
+
+    def live(self, point: int, stored: int, full: int) -> int:
+        if point < self.first:
+            return stored
+        return full if point <= self.last else 0
+
+
 @dataclasses.dataclass
 class Choice:
     """The option chosen for the saved tensors sharing one storage (most often one tensor;
@@ -133,10 +157,17 @@ class Choice:
     chosen: Option
     recipe: Recipe | None = None  # with a "recompute" option
     pins: tuple[int, ...] = ()  # choices that must stay "keep" if this one recomputes
+    span: Span = dataclasses.field(default_factory=lambda: Span(0, 0))
+    transient: int = 0  # bytes the recipe's other ops allocate while it runs
 
     @property
     def keep(self) -> Option:
         return Option(KEEP, self.nbytes, 0.0)
+
+    def live(self, point: int) -> int:
+        """Device bytes of the storage when the backward reaches ``point``."""
+        extra = self.transient if self.chosen.name == RECOMPUTE and point == self.span.first else 0
+        return self.span.live(point, self.chosen.device_bytes, self.nbytes) + extra
 
 
 @dataclasses.dataclass
@@ -149,10 +180,30 @@ class Plan:
     fixed_bytes: int  # saved bytes the plan cannot store otherwise
     budget_bytes: int
     choices: list[Choice]
+    fixed: tuple[tuple[Span, int], ...] = ()  # the storages of fixed_bytes, where used
+    point_names: dict[int, str] = dataclasses.field(default_factory=dict)  # for messages
 
     @property
     def predicted_bytes(self) -> int:
-        return self.fixed_bytes + sum(c.chosen.device_bytes for c in self.choices)
+        """Device bytes saved at the end of the forward."""
+        return self.live(-1)
+
+    def live(self, point: int) -> int:
+        """Device bytes of the saved storages when the backward reaches ``point``."""
+        return sum(c.live(point) for c in self.choices) + sum(s.live(point, n, n) for s, n in self.fixed)
+
+    @property
+    def points(self) -> list[int]:
+        """Where the saved bytes can peak: the forward's end and each first use (the only
+        points where a storage grows)."""
+        return sorted({-1, *(c.span.first for c in self.choices), *(s.first for s, _ in self.fixed)})
+
+    @property
+    def peak(self) -> tuple[int, int]:
+        """(bytes, point) of the most the saved storages hold from the forward's end on
+        (the earliest point of that many bytes)."""
+        nbytes, neg_point = max((self.live(p), -p) for p in self.points)
+        return nbytes, -neg_point
 
     @property
     def estimated_ms(self) -> float:
@@ -160,7 +211,10 @@ class Plan:
 
     @property
     def met(self) -> bool:
-        return self.predicted_bytes <= self.budget_bytes
+        return self.peak[0] <= self.budget_bytes
+
+    def describe_point(self, point: int) -> str:
+        return "the forward's end" if point < 0 else f"backward node {self.point_names.get(point, point)}"
 
 
 # ------------------------------------------------------------------------- options
@@ -237,12 +291,20 @@ def _slope(a: Option, b: Option) -> float:
     return (b.ms - a.ms) / saved if saved > 0 else float("inf")
 
 
-def solve(choices: list[Choice], excess: int) -> None:
+def solve(
+    choices: list[Choice],
+    excess: int,
+    among: list[int] | None = None,
+    allow: Any = None,
+) -> None:
     """Move choices along their hulls until ``excess`` bytes are saved (greedy by ms per
-    byte; ties: more bytes, then order).  A recompute step also pins its ``pins`` to keep:
-    it is re-priced with that cost when popped and pushed back if it got dearer."""
+    byte; ties: more bytes, then order).  Only the choices ``among`` move (default: all);
+    ``allow(i, pos)`` may refuse a step.  A recompute step also pins its ``pins`` to keep
+    (only the undone savings of pins ``among`` count against it): it is re-priced with that
+    cost when popped and pushed back if it got dearer."""
     heap: list[tuple[float, int, int, int]] = []
-    pinned: set[int] = set()
+    movable = set(range(len(choices)) if among is None else among)
+    pinned = {j for c in choices if c.chosen.name == RECOMPUTE for j in c.pins}
 
     def step(i: int, pos: int) -> tuple[float, int] | None:
         """(ms per byte, bytes saved) of moving choice i to options[pos], pins included."""
@@ -251,15 +313,15 @@ def solve(choices: list[Choice], excess: int) -> None:
         saved, ms = c.chosen.device_bytes - nxt.device_bytes, nxt.ms - c.chosen.ms
         if nxt.name == RECOMPUTE:
             # What the tensors it reads saved (by compression, or their own recompute) is undone.
-            undone = [choices[j] for j in c.pins if j not in pinned]
-            saved -= sum(p.nbytes - p.chosen.device_bytes for p in undone)
-            ms -= sum(p.chosen.ms for p in undone)
+            undone = [j for j in c.pins if j not in pinned]
+            saved -= sum(choices[j].nbytes - choices[j].chosen.device_bytes for j in undone if j in movable)
+            ms -= sum(choices[j].chosen.ms for j in undone)
         if saved <= 0:
             return None
         return ms / saved, saved
 
     def push(i: int) -> None:
-        if i in pinned:
+        if i in pinned or i not in movable:
             return
         c = choices[i]
         pos = c.options.index(c.chosen) + 1
@@ -267,7 +329,7 @@ def solve(choices: list[Choice], excess: int) -> None:
         if found is not None:
             heapq.heappush(heap, (found[0], -found[1], i, pos))
 
-    for i in range(len(choices)):
+    for i in sorted(movable):
         push(i)
     while excess > 0 and heap:
         slope, neg_saved, i, pos = heapq.heappop(heap)
@@ -275,7 +337,7 @@ def solve(choices: list[Choice], excess: int) -> None:
         if i in pinned or c.options.index(c.chosen) + 1 != pos:
             continue  # stale: pinned, or moved since
         now = step(i, pos)
-        if now is None:
+        if now is None or (allow is not None and not allow(i, pos)):
             continue
         if (now[0], -now[1]) > (slope, neg_saved):  # dearer since it was pushed
             heapq.heappush(heap, (now[0], -now[1], i, pos))
@@ -287,6 +349,45 @@ def solve(choices: list[Choice], excess: int) -> None:
                 pinned.add(j)
         excess -= now[1]
         push(i)
+
+
+def fit(result: Plan) -> None:
+    """Move ``result``'s choices until the saved storages fit its budget at every point of
+    the backward, or as close as the options allow.
+
+    At a point ``p`` the bytes are those of the storages used at or before ``p`` and still
+    needed (at full size: nothing stored differently shrinks them) plus the stored form of
+    the storages first used after ``p``.  So the constraint at ``p`` is a knapsack over the
+    storages first used after ``p``, and the constraints nest: what a later point's
+    storages save counts at every earlier point too.  The points are met from the latest to
+    the earliest, each by :func:`solve` over its own storages; the last is the forward's
+    end, where every storage is in its stored form.  A recompute step is refused where the
+    ops it copies (and the storages it pins to keep) would raise a point already met above
+    the budget, or one above the budget already any higher."""
+    points = result.points
+    for k in range(len(points) - 1, -1, -1):
+        point = points[k]
+        excess = result.live(point) - result.budget_bytes
+        among = [i for i, c in enumerate(result.choices) if c.span.first > point]
+        if excess <= 0 or not among:
+            continue
+        later = points[k:]
+
+        def allow(i: int, pos: int, later: list[int] = later) -> bool:
+            c = result.choices[i]
+            if c.options[pos].name != RECOMPUTE:
+                return True
+            before = [result.live(p) for p in later]
+            undo = [(c, c.chosen)] + [(result.choices[j], result.choices[j].chosen) for j in c.pins]
+            c.chosen = c.options[pos]
+            for j in c.pins:
+                result.choices[j].chosen = result.choices[j].keep
+            after = [result.live(p) for p in later]
+            for choice, chosen in undo:
+                choice.chosen = chosen
+            return all(a <= max(b, result.budget_bytes) for a, b in zip(after, before))
+
+        solve(result.choices, excess, among, allow)
 
 
 # ---------------------------------------------------------------- compute windows
@@ -458,14 +559,16 @@ def plan(
     planned = {root: [s for s in saved if s in plannable_set] for root, saved in groups.items()}
     planned = {root: saved for root, saved in planned.items() if saved and set(groups[root]) <= covered}
     fixed = sum(b for root, b in storage.items() if root not in planned)
+    bw_pos = {n: i for i, n in enumerate(bw_g.nodes)}
+    spans = {root: backward_span(saved, bw_inputs, bw_pos) for root, saved in groups.items()}
     nodes = [s for saved in planned.values() for s in saved]
     device = next((s.meta["val"].device for s in nodes), torch.device("cpu"))
     rates = Rates.for_device(device)
     offload = any(o in spec.options for o in ("offload", "fp8+offload"))
     if offload and any(s.meta["val"].device.type == "cuda" for s in nodes):
-        spans = windows(nodes, bw_inputs, fw_g, bw_g, rates)
+        hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates)
     else:  # no copy to hide: skip estimating the compute of every node
-        spans = dict.fromkeys(nodes, (0.0, 0.0))
+        hidden = dict.fromkeys(nodes, (0.0, 0.0))
     fw_order = {n: i for i, n in enumerate(fw_g.nodes)} if RECOMPUTE in spec.options else {}
     unit_of = {root: i for i, root in enumerate(planned)}
     choices = []
@@ -473,34 +576,74 @@ def plan(
         per = []
         for s in saved:
             info = compiled_info(s, bw_inputs.get(s.name), pair.label)
-            opts = options_for(s.meta["val"], info.nbytes, spec.options, numerics_safe(info), spans[s], rates)
+            opts = options_for(s.meta["val"], info.nbytes, spec.options, numerics_safe(info), hidden[s], rates)
             per.append({o.name: o for o in opts})
         common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
         options = [Option(KEEP, storage[root], 0.0)] + [
             Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
         ]
-        recipe, pins = None, ()
+        recipe, pins, transient = None, (), 0
         if fw_order and len(groups[root]) == 1:  # one tensor reads the storage: it goes
             recipe = recompute_recipe(saved[0], exact, fw_order)
         if recipe is not None:
             units = (unit_of.get(act_inputs.storage_root(f)) for f in recipe.frontier)
             pins = tuple(sorted({u for u in units if u is not None and u != len(choices)}))
             options.append(Option(RECOMPUTE, 0, recompute_ms(recipe, rates)))
+            transient = recipe_transient_bytes(recipe, root)
         text = describe(saved[0]) + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        choices.append(Choice(saved, text, storage[root], options, options[0], recipe, pins))
-    # Storage options first; recompute only where they cannot meet the budget. Measured on
-    # CPU (mlp8, aot_eager, budget 0.5), a recompute plan the cost model rated faster than
-    # the storage plan peaked at 0.60x of no hooks against 0.52x: the backward rebuilds the
-    # tensor while the other saved tensors are still alive, which the model does not see.
+        choices.append(
+            Choice(saved, text, storage[root], options, options[0], recipe, pins, spans[root], transient)
+        )
+    fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
+    names = {i: n.name for n, i in bw_pos.items()}
+    # Storage options first; recompute only where they cannot meet the budget: a recompute
+    # keeps the tensors it reads exact, and rebuilds its own while the backward still holds
+    # every storage it has not used yet (measured on CPU, mlp8, aot_eager, budget 0.5: a
+    # recompute plan the cost model rated faster peaked at 0.60x of no hooks, the storage
+    # plan at 0.52x).
     runs = []
     for with_recompute in (False, True):
         run = [_on_hull(c, with_recompute) for c in choices]
-        candidate = Plan(pair.label, spec, baseline, fixed, spec.target_bytes(baseline), run)
-        solve(run, candidate.predicted_bytes - candidate.budget_bytes)
+        candidate = Plan(
+            pair.label, spec, baseline, fixed, spec.target_bytes(baseline), run, fixed_spans, names
+        )
+        fit(candidate)
         runs.append(candidate)
         if candidate.met or not any(c.recipe for c in choices):
             break
-    return min(runs, key=lambda p: (not p.met, p.predicted_bytes if not p.met else 0))
+    return min(runs, key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+
+
+def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: dict[fx.Node, int]) -> Span:
+    """The :class:`Span` of the storage the ``saved`` tensors read: from the first backward
+    node using one of them to the last node using one of them or a view of one (a view
+    keeps the storage alive).  Unused: held to the backward's end."""
+    end = len(bw_pos)
+    first, last = end, -1
+    stack = [bw_inputs[s.name] for s in saved if s.name in bw_inputs]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if node.op == "placeholder":
+                first = min(first, bw_pos[user])
+            last = max(last, bw_pos[user])
+            if act_inputs.storage_root(user) is act_inputs.storage_root(node):  # a view of it
+                stack.append(user)
+    return Span(first, max(last, first))
+
+
+def recipe_transient_bytes(recipe: Recipe, root: fx.Node) -> int:
+    """Bytes the recipe's ops allocate besides the storage they rebuild (an upper bound:
+    as if all of them were alive at once, right before the storage's first use)."""
+    return sum(
+        _nbytes(n)
+        for n in recipe.nodes
+        if not getattr(n.target, "is_view", False) and act_inputs.storage_root(n) is not root
+    )
 
 
 def _on_hull(choice: Choice, with_recompute: bool) -> Choice:
@@ -523,25 +666,35 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
             "budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms%s",
             result.label, c.describe, c.chosen.name, c.chosen.device_bytes, c.chosen.ms, reads,
         )
+    peak, point = result.peak
     artifact.debug(
-        "budget plan (%s): %d B planned of %d B saved, budget %d B; est %.3f ms; %s",
-        result.label, result.predicted_bytes, result.baseline_bytes, result.budget_bytes,
-        result.estimated_ms, "met" if result.met else "NOT met",
+        "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s",
+        result.label, result.predicted_bytes, result.baseline_bytes, result.budget_bytes, peak,
+        result.describe_point(point), result.estimated_ms, "met" if result.met else "NOT met",
     )
     if not result.met:
-        floor = result.predicted_bytes  # the solver ran out of steps: its smallest plan
-        exact = sorted((c for c in result.choices if len(c.options) == 1), key=lambda c: -c.nbytes)
-        names = ", ".join(c.saved[0].name for c in exact[:3]) + (", ..." if len(exact) > 3 else "")
+        in_use = sorted(
+            (c for c in result.choices if c.span.first <= point <= c.span.last), key=lambda c: -c.nbytes
+        )
+        exact = sorted(
+            (c for c in result.choices if len(c.options) == 1 and point < c.span.first), key=lambda c: -c.nbytes
+        )
         warnings.warn(
             f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
-            f"cannot be met in scope {result.label!r}: the smallest plan keeps {floor} B. "
-            f"{result.fixed_bytes} B of it cannot be hooked (integer tensors, graph inputs), "
-            f"{sum(c.nbytes for c in exact)} B have no allowed option ({names or 'none'}: "
+            f"cannot be met in scope {result.label!r}: the smallest plan found holds {peak} B of saved "
+            f"tensors at {result.describe_point(point)}. Of those, {sum(c.nbytes for c in in_use)} B "
+            f"are in use there at full size ({_names(in_use)}), "
+            f"{sum(s.live(point, n, n) for s, n in result.fixed)} B cannot be hooked (integer tensors, "
+            f"graph inputs), and {sum(c.nbytes for c in exact)} B have no allowed option ({_names(exact)}: "
             "numerics_safe keeps them exact, offload needs CUDA, recompute needs a short chain "
             "of ops from tensors kept exact). Saving as much as possible; "
             "torch._functorch.config.activation_memory_budget can recompute more",
             stacklevel=2,
         )
+
+
+def _names(choices: list[Choice]) -> str:
+    return (", ".join(c.saved[0].name for c in choices[:3]) + (", ..." if len(choices) > 3 else "")) or "none"
 
 
 def apply_plans(
