@@ -421,6 +421,32 @@ class GraphModule(torch.nn.Module):
         recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get("torch_patches_hook", {}).get("role") == "recompute"}
         self.assertEqual(recomputed, {torch.ops.aten.mm.default, torch.ops.aten.t.default})
 
+    def test_recipes_are_looked_for_only_when_storage_misses(self, device):
+        from unittest import mock
+
+        def f(x, w):
+            return (x @ w).pow(2).tanh().sum()
+
+        x = torch.randn(16, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 32, device=device, requires_grad=True)
+        calls = []
+        real = ab.recompute_recipe
+
+        def counting(*args, **kwargs):
+            calls.append(args[0].name)
+            return real(*args, **kwargs)
+
+        with mock.patch.object(ab, "recompute_recipe", counting):
+            for memory, options in ((0.7, ("fp8", "recompute")), (0.5, ("recompute",))):
+                torch._dynamo.reset()
+                with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=options)):
+                    torch.compile(f, backend="aot_eager")(x, w).backward()
+                if options == ("recompute",):
+                    self.assertEqual(sorted(calls), ["detach_1", "mm"])
+                else:  # fp8 meets 0.7: no recipe is built
+                    self.assertEqual(set(self.plan_log.choices().values()), {"fp8", "keep"})
+                    self.assertEqual(calls, [])
+
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
             return torch.log_softmax(x @ w, dim=-1).sum()

@@ -569,8 +569,6 @@ def plan(
         hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates)
     else:  # no copy to hide: skip estimating the compute of every node
         hidden = dict.fromkeys(nodes, (0.0, 0.0))
-    fw_order = {n: i for i, n in enumerate(fw_g.nodes)} if RECOMPUTE in spec.options else {}
-    unit_of = {root: i for i, root in enumerate(planned)}
     choices = []
     for root, saved in planned.items():
         per = []
@@ -582,36 +580,62 @@ def plan(
         options = [Option(KEEP, storage[root], 0.0)] + [
             Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
         ]
-        recipe, pins, transient = None, (), 0
-        if fw_order and len(groups[root]) == 1:  # one tensor reads the storage: it goes
-            recipe = recompute_recipe(saved[0], exact, fw_order)
-        if recipe is not None:
-            units = (unit_of.get(act_inputs.storage_root(f)) for f in recipe.frontier)
-            pins = tuple(sorted({u for u in units if u is not None and u != len(choices)}))
-            options.append(Option(RECOMPUTE, 0, recompute_ms(recipe, rates)))
-            transient = recipe_transient_bytes(recipe, root)
         text = describe(saved[0]) + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        choices.append(
-            Choice(saved, text, storage[root], options, options[0], recipe, pins, spans[root], transient)
-        )
+        choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root]))
     fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
     names = {i: n.name for n, i in bw_pos.items()}
-    # Storage options first; recompute only where they cannot meet the budget: a recompute
-    # keeps the tensors it reads exact, and rebuilds its own while the backward still holds
-    # every storage it has not used yet (measured on CPU, mlp8, aot_eager, budget 0.5: a
-    # recompute plan the cost model rated faster peaked at 0.60x of no hooks, the storage
-    # plan at 0.52x).
-    runs = []
-    for with_recompute in (False, True):
-        run = [_on_hull(c, with_recompute) for c in choices]
+
+    def run(units: list[Choice]) -> Plan:
         candidate = Plan(
-            pair.label, spec, baseline, fixed, spec.target_bytes(baseline), run, fixed_spans, names
+            pair.label, spec, baseline, fixed, spec.target_bytes(baseline), [_on_hull(c) for c in units],
+            fixed_spans, names,
         )
         fit(candidate)
-        runs.append(candidate)
-        if candidate.met or not any(c.recipe for c in choices):
-            break
+        return candidate
+
+    # Storage options first; recompute (its recipes are only looked for then) where they
+    # cannot meet the budget. The peak is modelled for both, but a recompute pins what it
+    # reads exact and its time is the coarser estimate (flop formulas over bandwidth knobs):
+    # letting it compete on time where storage suffices is left until it is measured.
+    storage_only = run(choices)
+    if storage_only.met or RECOMPUTE not in spec.options:
+        return storage_only
+    sole = [len(groups[act_inputs.storage_root(c.saved[0])]) == 1 for c in choices]
+    recomputable = with_recipes(choices, sole, exact, fw_g, rates)
+    if recomputable is None:
+        return storage_only
+    runs = [storage_only, run(recomputable)]
     return min(runs, key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+
+
+def with_recipes(
+    choices: list[Choice], sole: list[bool], exact: set[fx.Node], fw_g: fx.Graph, rates: Rates
+) -> list[Choice] | None:
+    """``choices`` with a recompute option for each one that has a recipe (``sole``: the
+    choice's tensor is the one reader of its storage, so recomputing it frees the storage),
+    or None if none has."""
+    fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
+    unit_of = {act_inputs.storage_root(c.saved[0]): i for i, c in enumerate(choices)}
+    out, found = [], False
+    for i, c in enumerate(choices):
+        recipe = recompute_recipe(c.saved[0], exact, fw_order) if sole[i] else None
+        if recipe is None:
+            out.append(c)
+            continue
+        found = True
+        units = (unit_of.get(act_inputs.storage_root(f)) for f in recipe.frontier)
+        pins = tuple(sorted({u for u in units if u is not None and u != i}))
+        root = act_inputs.storage_root(c.saved[0])
+        out.append(
+            dataclasses.replace(
+                c,
+                options=[*c.options, Option(RECOMPUTE, 0, recompute_ms(recipe, rates))],
+                recipe=recipe,
+                pins=pins,
+                transient=recipe_transient_bytes(recipe, root),
+            )
+        )
+    return out if found else None
 
 
 def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: dict[fx.Node, int]) -> Span:
@@ -646,13 +670,12 @@ def recipe_transient_bytes(recipe: Recipe, root: fx.Node) -> int:
     )
 
 
-def _on_hull(choice: Choice, with_recompute: bool) -> Choice:
+def _on_hull(choice: Choice) -> Choice:
     """``choice`` (its options all listed, keep first) over the lower hull of its options,
-    with or without recompute, at the hull's first option."""
-    options = [o for o in choice.options if with_recompute or o.name != RECOMPUTE]
-    hull = lower_hull(options)
+    at the hull's first option."""
+    hull = lower_hull(choice.options)
     if hull[0].name == RECOMPUTE:  # free to recompute (views only): still a step, pins and all
-        hull.insert(0, options[0])
+        hull.insert(0, choice.options[0])
     return dataclasses.replace(choice, options=hull, chosen=hull[0])
 
 
