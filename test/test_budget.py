@@ -563,7 +563,9 @@ class TestBudgetOnModels(BudgetTestCase):
                 self.assertEqual(limit, int(fraction * baseline))
                 self.assertLessEqual(planned, predicted_peak)
                 warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
-                if fraction in unreachable:
+                # The floors below are CPU's; with offload (CUDA) they are lower: there a budget
+                # must warn exactly when its plan does not fit.
+                if (fraction in unreachable) if device == "cpu" else predicted_peak > limit:
                     self.assertGreater(predicted_peak, limit)
                     self.assertEqual(len(warned), 1)
                 else:
