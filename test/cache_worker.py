@@ -14,6 +14,7 @@ import torch.fx
 
 import torch_patches
 from torch_patches import hooks
+from torch_patches.bench import saved_bytes
 from torch_patches.hooks import cache_hash, inlineable
 
 
@@ -99,6 +100,8 @@ def main():
         else:
             with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
                 out = torch.compile(model, backend=spec["backend"])(x, w)
+        # What the forward left for the backward (the plan's storage): bytes, inputs excluded.
+        saved = saved_bytes(out, exclude=(x, w))
         out.sum().backward()
     from torch._dynamo.utils import counters
 
@@ -108,6 +111,7 @@ def main():
                 "aot": dict(counters["aot_autograd"]),
                 "inductor": {k: v for k, v in counters["inductor"].items() if "fxgraph" in k},
                 "grads": [x.grad.flatten().tolist(), w.grad.flatten().tolist()],
+                "saved_bytes": saved,
                 "warnings": [str(w.message) for w in caught if "torch_patches" in str(w.message)],
             }
         )

@@ -31,9 +31,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch_patches import _logging as tp_logging, config as tp_config
 from torch_patches._functorch._aot_autograd import activation_budget as ab
 from torch_patches.bench import Case, block_working_set, blocks_of, build_model, example_input, saved_bytes
-from torch_patches.hooks import budget, chain, cpu_offload, fp8_rowwise, inlineable, select
+from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
-from torch_patches.testing import TestCase, instantiate_device_type_tests, peak_bytes
+from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, hook_nodes, instantiate_device_type_tests, peak_bytes
 
 
 _SUMMARY = re.compile(r"budget plan \(([^)]*)\): (\d+) B planned of (\d+) B saved, budget (\d+) B")
@@ -44,13 +44,14 @@ _CHOICE = re.compile(r"budget plan \(([^)]*)\): saved (\w+) .*-> ([\w+]+), (\d+)
 class PlanLog(logging.Handler):
     """The plan lines of the ``torch_patches`` artifact while compiling."""
 
-    def __init__(self):
+    def __init__(self, prefix="budget plan"):
         super().__init__(logging.DEBUG)
+        self.prefix = prefix
         self.lines = []
 
     def emit(self, record):
         msg = record.getMessage()
-        if msg.startswith("budget plan"):
+        if msg.startswith(self.prefix):
             self.lines.append(msg)
 
     def summaries(self):
@@ -65,6 +66,10 @@ class PlanLog(logging.Handler):
 
 
 class BudgetTestCase(TestCase):
+    #: The plan's own decisions, from the default partition: the partitioner's cheap
+    #: recomputation (which meets loose budgets before any plan) is TestPartitionerFirst's.
+    partitioner_recompute = False
+
     def setUp(self):
         super().setUp()
         # The plan is read from the log written while compiling; a hit in Inductor's and
@@ -72,6 +77,9 @@ class BudgetTestCase(TestCase):
         caches_off = torch._inductor.config.patch(force_disable_caches=True)
         caches_off.__enter__()
         self.addCleanup(caches_off.__exit__, None, None, None)
+        knob = tp_config.patch(activation_budget_partitioner_recompute=self.partitioner_recompute)
+        knob.__enter__()
+        self.addCleanup(knob.__exit__, None, None, None)
         self.plan_log = PlanLog()
         logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
         level = logger.level
@@ -102,25 +110,27 @@ class TestCostModel(TestCase):
         rates = ab.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e9, kernel_ms=0.0)
         f32 = torch.empty(64, 32)
         names = lambda opts: [o.name for o in opts]  # noqa: E731
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), True, (0, 0), rates)), ["keep", "bf16", "fp8"])
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), False, (0, 0), rates)), ["keep"])
+        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "bf16", "int8", "fp8"])
+        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "int8", (0, 0), rates)), ["keep", "bf16", "int8"])
+        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "bf16", (0, 0), rates)), ["keep", "bf16"])
+        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "exact", (0, 0), rates)), ["keep"])
         bf = torch.empty(64, 32, dtype=torch.bfloat16)
-        self.assertEqual(names(ab.options_for(bf, bf.nbytes, ab_options(), True, (0, 0), rates)), ["keep", "fp8"])
+        self.assertEqual(names(ab.options_for(bf, bf.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "int8", "fp8"])
         ints = torch.empty(64, 32, dtype=torch.int64)
-        self.assertEqual(names(ab.options_for(ints, ints.nbytes, ab_options(), True, (0, 0), rates)), ["keep"])
+        self.assertEqual(names(ab.options_for(ints, ints.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep"])
         # A CUDA tensor (metadata only): offload, hidden by the compute around it or not.
         cuda = types.SimpleNamespace(
             element_size=lambda: 4, shape=(64, 32), dim=lambda: 2, is_floating_point=lambda: True,
             device=torch.device("cuda"),
         )
-        opts = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), True, (0.0, 0.0), rates)}
-        self.assertEqual(set(opts), {"keep", "bf16", "fp8", "offload", "fp8+offload"})
+        opts = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), "fp8", (0.0, 0.0), rates)}
+        self.assertEqual(set(opts), {"keep", "bf16", "int8", "fp8", "offload", "fp8+offload"})
         self.assertAlmostEqual(opts["offload"].ms, 2 * 8192 / 1e5)  # both copies exposed
         self.assertEqual(opts["offload"].device_bytes, 0)
-        hidden = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), True, (1.0, 1.0), rates)}
+        hidden = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), "fp8", (1.0, 1.0), rates)}
         self.assertEqual(hidden["offload"].ms, 0.0)
         self.assertEqual(ab.lower_hull(list(hidden.values()))[0].name, "offload")  # free: taken
-        only = {o.name for o in ab.options_for(cuda, 8192, ("offload",), False, (0, 0), rates)}
+        only = {o.name for o in ab.options_for(cuda, 8192, ("offload",), "exact", (0, 0), rates)}
         self.assertEqual(only, {"keep", "offload"})
 
     def test_compute_windows_hide_copies(self):
@@ -421,7 +431,7 @@ class GraphModule(torch.nn.Module):
         recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get("torch_patches_hook", {}).get("role") == "recompute"}
         self.assertEqual(recomputed, {torch.ops.aten.mm.default, torch.ops.aten.t.default})
 
-    def test_recipes_are_looked_for_only_when_storage_misses(self, device):
+    def test_recipes_are_looked_for_only_when_keeping_misses(self, device):
         from unittest import mock
 
         def f(x, w):
@@ -437,15 +447,56 @@ class GraphModule(torch.nn.Module):
             return real(*args, **kwargs)
 
         with mock.patch.object(ab, "recompute_recipe", counting):
-            for memory, options in ((0.7, ("fp8", "recompute")), (0.5, ("recompute",))):
+            for memory in (1.0, 0.7):
                 torch._dynamo.reset()
+                with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=("fp8", "recompute"))):
+                    torch.compile(f, backend="aot_eager")(x, w).backward()
+                if memory == 1.0:  # everything fits: no recipe is built
+                    self.assertEqual(calls, [])
+                else:  # fp8 meets 0.7, but the least lossy plan is looked for: recompute, exact
+                    self.assertEqual(sorted(calls), ["detach_1", "mm"])
+                    self.assertNotIn("fp8", set(self.plan_log.choices().values()))
+
+    def test_least_lossy_plan_unless_lossy_is_faster_by_the_margin(self, device):
+        # Rebuilding x @ w (K = 4096) costs more than the int8 round trip of its [16, 32]
+        # result (it tolerates int8: pow and tanh read it before the gradient does): within a
+        # generous margin the plan still recomputes (exact), with none it takes int8; bf16
+        # comes before int8 when both meet the budget. The cost model's rates are pinned to its
+        # CPU figures: on a GPU's (5 us a kernel, 400 TFLOP/s) one mm kernel is cheaper than
+        # the three of the int8 round trip, and this test is about the margin, not the rates.
+        def f(x, w):
+            return (x @ w).pow(2).tanh().sum()
+
+        x = torch.randn(16, 4096, device=device, requires_grad=True)
+        w = torch.randn(4096, 32, device=device, requires_grad=True)
+
+        def choices(memory, options, margin):
+            torch._dynamo.reset()
+            self.plan_log.lines.clear()
+            with tp_config.patch(
+                activation_budget_lossy_margin=margin,
+                activation_budget_memory_bandwidth=20.0,
+                activation_budget_flops=0.2,
+                activation_budget_kernel_overhead_us=2.0,
+            ):
                 with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=options)):
                     torch.compile(f, backend="aot_eager")(x, w).backward()
-                if options == ("recompute",):
-                    self.assertEqual(sorted(calls), ["detach_1", "mm"])
-                else:  # fp8 meets 0.7: no recipe is built
-                    self.assertEqual(set(self.plan_log.choices().values()), {"fp8", "keep"})
-                    self.assertEqual(calls, [])
+            return set(self.plan_log.choices().values()), self.plan_log.lines[-1]
+
+        got, line = choices(0.7, ("int8", "recompute"), 10.0)
+        self.assertIn("recompute", got)
+        self.assertIn("(least lossy)", line)
+        got, line = choices(0.7, ("int8", "recompute"), 0.0)
+        self.assertEqual(got, {"keep", "int8"})
+        self.assertRegex(line, r"\(fastest: the least lossy plan is slower by [\d.]+ ms > margin 0\.000 ms\)")
+        # A large product: int8 saves a byte for less time than bf16 (the fastest plan's pick);
+        # bf16 alone meets 0.8, so the least lossy plan stores it in bf16.
+        x = torch.randn(1024, 64, device=device, requires_grad=True)
+        w = torch.randn(64, 512, device=device, requires_grad=True)
+        got, line = choices(0.8, ("bf16", "int8"), 0.05)
+        self.assertEqual(got, {"keep", "bf16"}, line)
+        got, _ = choices(0.8, ("bf16", "int8"), -1.0)
+        self.assertIn("int8", got)
 
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
@@ -459,6 +510,87 @@ class GraphModule(torch.nn.Module):
 
 
 instantiate_device_type_tests(TestRecomputeInGraphs, globals())
+
+
+def _ln_gelu_block(x, w1, w2, ln_w):
+    h = torch.nn.functional.layer_norm(x, x.shape[-1:], ln_w)
+    h = torch.nn.functional.gelu(h @ w1, approximate="tanh")
+    return (h @ w2).sum()
+
+
+class TestPartitionerFirst(BudgetTestCase):
+    """Exact first: under an ambient budget the partitioner's cheap recomputation (its more
+    aggressive min-cut) is taken when it alone meets the budget (nothing compressed, the same
+    saved set as torch's own activation_memory_budget there); else the plan starts from the
+    default partition."""
+
+    partitioner_recompute = True
+
+    def inputs(self, device):
+        gen = torch.Generator().manual_seed(0)
+        shapes = ((64, 32), (32, 128), (128, 32), (32,))
+        return [(torch.randn(*s, generator=gen) / 4).to(device).requires_grad_() for s in shapes]
+
+    def compile_step(self, args, hooks=None, **functorch_cfg):
+        torch._dynamo.reset()
+        rec = AotEagerAndRecordGraphs()
+        args = [a.detach().clone().requires_grad_() for a in args]
+        ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        with torch._functorch.config.patch(**functorch_cfg), ctx:
+            torch.compile(_ln_gelu_block, backend=rec)(*args).backward()
+        saved = len(rec.fw_graphs[0].graph.output_node().args[0])
+        return saved, rec, [a.grad for a in args]
+
+    def partition_lines(self):
+        return [line for line in self.partition_log.lines if line.startswith("budget ")]
+
+    def setUp(self):
+        super().setUp()
+        self.partition_log = PlanLog(prefix="budget ")
+        logger = tp_logging.artifact_logger("torch._functorch.partitioners")
+        level = logger.level
+        logger.addHandler(self.partition_log)
+        logger.setLevel(logging.DEBUG)
+        self.addCleanup(lambda: (logger.removeHandler(self.partition_log), logger.setLevel(level)))
+
+    def test_loose_budget_met_by_the_partitioners_recompute(self, device):
+        args = self.inputs(device)
+        _, _, ref = self.compile_step(args)
+        stock_saved, _, _ = self.compile_step(args, activation_memory_budget=0.9)
+        saved, rec, got = self.compile_step(args, budget(0.9))
+        self.assertRegex(self.partition_lines()[-1], r"budget 0\.9 met by the partitioner's cheap recomputation \(exact\): it saves 0\.\d+")
+        self.assertIn("met by the partitioner's recomputation", self.plan_log.lines[-1])
+        self.assertEqual(hook_nodes(rec.fw_graphs[0]), {})  # nothing compressed
+        self.assertEqual(saved, stock_saved)  # torch's own choice at 0.9
+        self.assertGradsEqual(got, ref, exact=True)
+
+    def test_tight_budget_plans_from_the_default_partition(self, device):
+        args = self.inputs(device)
+        default_saved, _, _ = self.compile_step(args)
+        self.plan_log.lines.clear()
+        self.compile_step(args, budget(0.5))
+        self.assertIn("the plan starts from the default partition", self.partition_lines()[-1])
+        (planned, baseline, limit), = self.plan_log.summaries()
+        self.assertEqual(limit, int(0.5 * baseline))
+        self.assertLess(planned, baseline)
+
+    def test_knob_off_and_in_region_budgets_leave_the_partition_alone(self, device):
+        args = self.inputs(device)
+        with tp_config.patch(activation_budget_partitioner_recompute=False):
+            self.compile_step(args, budget(0.9))
+        self.assertEqual(self.partition_lines(), [])
+        pair = budget(0.9)
+
+        def region(x, w1, w2, ln_w):
+            with torch.autograd.graph.saved_tensors_hooks(*pair):
+                return _ln_gelu_block(x, w1, w2, ln_w)
+
+        torch._dynamo.reset()
+        torch.compile(region, backend="aot_eager")(*[a.detach().clone().requires_grad_() for a in args]).backward()
+        self.assertEqual(self.partition_lines(), [])
+
+
+instantiate_device_type_tests(TestPartitionerFirst, globals())
 
 
 def ab_options():
@@ -617,8 +749,8 @@ class TestBudgetOnModels(BudgetTestCase):
         # tensors it recomputes are exact, so by hand they are kept.
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
         kinds = set()
-        # fp8 (storage options meet 0.4), and recompute (sigmoid from its input) where it is
-        # the only option allowed.
+        # Storage options (storage meets 0.4), and recompute (sigmoid from its input) where it
+        # is the only option allowed.
         for hooks in (budget(0.4), budget(0.8, options=("recompute",))):
             torch._dynamo.reset()
             self.plan_log.lines.clear()
@@ -626,12 +758,15 @@ class TestBudgetOnModels(BudgetTestCase):
             chosen = self.plan_log.choices()
             kinds |= set(chosen.values())
             self.assertIn("keep", chosen.values())  # part of the tensors only
-            fp8_names = frozenset(n for n, c in chosen.items() if c == "fp8")
-            by_hand = select(*fp8_rowwise(where=None), where=lambda info: info.name in fp8_names)
+            by_hand = None
+            for name, pair in (("bf16", bf16(where=None)), ("int8", int8_rowwise(where=None)), ("fp8", fp8_rowwise(where=None))):
+                names = frozenset(n for n, c in chosen.items() if c == name)
+                by_hand = select(*pair, where=lambda info, names=names: info.name in names, otherwise=by_hand)
             torch._dynamo.reset()
             _, want = _step(torch.compile(model, backend="aot_eager"), model, x, by_hand)
             self.assertGradsEqual(got, want, exact=True)
-        self.assertEqual(kinds, {"keep", "fp8", "recompute"})  # CPU: no offload
+        self.assertLessEqual({"keep", "recompute"}, kinds)  # CPU: no offload
+        self.assertTrue(kinds & {"bf16", "int8", "fp8"}, kinds)
         # And the plan is deterministic: a fresh compile logs the same plan.
         first = list(self.plan_log.lines)
         self.plan_log.lines.clear()
@@ -652,14 +787,19 @@ class TestBudgetOnModels(BudgetTestCase):
             return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, ref))
 
         uniform = err(fp8_rowwise())
-        storage = ("bf16", "fp8", "offload", "fp8+offload")
+        storage = ("bf16", "int8", "fp8", "offload", "fp8+offload")
         tight, loose = err(budget(0.3, options=storage)), err(budget(0.8, options=storage))
         self.assertLessEqual(tight, uniform * 1.01)
         self.assertLess(loose, tight)
         self.assertGreater(loose, 0.0)
         self.assertLessEqual(err(budget(0.3)), uniform * 1.01)
-        # Storage options meet 0.8: recompute is the fallback, not taken.
-        self.assertEqual(err(budget(0.8)), loose)
+        # Exact options first: recompute alone meets 0.8 (sigmoid from its input), within the
+        # margin of the fastest (lossy) plan, so nothing is compressed.
+        self.assertEqual(err(budget(0.8)), 0.0)
+        self.assertEqual(set(self.plan_log.choices().values()), {"keep", "recompute"})
+        with tp_config.patch(activation_budget_lossy_margin=-1.0):  # the fastest plan, whatever it is
+            self.assertEqual(err(budget(0.8)), err(budget(0.8, options=storage)))
+            self.assertGreater(err(budget(0.8)), 0.0)
         self.assertEqual(err(budget(1.0)), 0.0)  # everything fits: nothing compressed
         # Recompute is exact: a budget it alone meets (sigmoid from its input) moves nothing.
         self.assertEqual(err(budget(0.8, options=("recompute",))), 0.0)
@@ -727,7 +867,7 @@ class TestBudgetOnModels(BudgetTestCase):
         with torch.autograd.graph.saved_tensors_hooks(*budget(0.75)):
             out = torch.compile(attention, backend="aot_eager")(x, w)
         (planned, baseline, limit), = self.plan_log.summaries()
-        self.assertTrue(any("and 2 more sharing its storage -> fp8" in line for line in self.plan_log.lines), self.plan_log.lines)
+        self.assertTrue(any(re.search(r"and 2 more sharing its storage -> (int8|fp8)", line) for line in self.plan_log.lines), self.plan_log.lines)
         self.assertEqual(saved_bytes(out, [x, w]), planned)
         self.assertLessEqual(planned, limit)
 
@@ -743,7 +883,7 @@ class TestBudgetOnModels(BudgetTestCase):
         # The backward starts with the last block: its up projection and sigmoid at full size.
         self.assertRegex(msgs[0], r"Of those, 524288 B are in use there at full size \(mm_6, sigmoid_3\), \d+ B cannot "
                                   r"be hooked .*, and \d+ B have no allowed option")
-        self.assertLessEqual(set(self.plan_log.choices().values()), {"fp8", "recompute", "keep"})
+        self.assertLessEqual(set(self.plan_log.choices().values()), {"bf16", "int8", "fp8", "recompute", "keep"})
 
     def test_options_restrict_the_plan(self, device):
         model, x = _model("mlp8", device, **_SIZES["mlp8"])

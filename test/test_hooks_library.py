@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -117,11 +118,12 @@ def int8_row_bound(x: torch.Tensor) -> torch.Tensor:
     return amax / 127 + _out_rounding(x, torch.zeros_like(amax))
 
 
-#: name -> (factory, element-wise bound, per-row bound or None)
+#: name -> (factory, element-wise bound, per-row bound or None).  The formats themselves,
+#: on every tensor (``where=None``): the numerics allowlist is test_select.py's subject.
 HOOKS: dict[str, tuple[Callable[[], Any], Callable[..., torch.Tensor], Any]] = {
-    "bf16": (hooks.bf16, bf16_bound, None),
-    "fp8_rowwise": (hooks.fp8_rowwise, fp8_bound, fp8_row_bound),
-    "int8_rowwise": (hooks.int8_rowwise, int8_bound, int8_row_bound),
+    "bf16": (functools.partial(hooks.bf16, where=None), bf16_bound, None),
+    "fp8_rowwise": (functools.partial(hooks.fp8_rowwise, where=None), fp8_bound, fp8_row_bound),
+    "int8_rowwise": (functools.partial(hooks.int8_rowwise, where=None), int8_bound, int8_row_bound),
 }
 
 
@@ -301,7 +303,7 @@ class TestHooksLibrary(TestCase):
 
     def test_fp8_formats(self, device: str) -> None:
         for fp8 in FP8_EPS:
-            pair = hooks.fp8_rowwise(fp8)
+            pair = hooks.fp8_rowwise(fp8, where=None)
             q, scale, dtype = pair[0](sample((8, 33), torch.float32, device))
             self.assertEqual((q.dtype, scale.dtype, scale.shape, dtype), (fp8, torch.float32, (8, 1), torch.float32))
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -474,7 +476,9 @@ class TestHooksLibrary(TestCase):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         w = torch.randn(6, 8, device=device, requires_grad=True)
         b = torch.randn(6, device=device, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(*hooks.fp8_rowwise()):
+        # The format itself (where=None): the allowlist would store relu's output, a
+        # gradient's coefficient, in bf16 (test_numerics.py).
+        with torch.autograd.graph.saved_tensors_hooks(*hooks.fp8_rowwise(where=None)):
             loss = torch.compile(layer, backend=rec, fullgraph=True)(x, w, b)
         loss.backward()
         # relu's output (saved as detach_1) is packed right after its last forward use, to
@@ -595,13 +599,13 @@ class GraphModule(torch.nn.Module):
     def test_chain_compiled(self, device: str) -> None:
         # fp8 then a lossless reshaping stage, inlined: gradients exactly those of fp8 alone.
         inputs = model_inputs(device)
-        fp8 = grads_of(torch.compile(model, backend="aot_eager", fullgraph=True), inputs, hooks.fp8_rowwise())
+        fp8 = grads_of(torch.compile(model, backend="aot_eager", fullgraph=True), inputs, hooks.fp8_rowwise(where=None))
         torch._dynamo.reset()
         rec = AotEagerAndRecordGraphs()
         chained = grads_of(
             torch.compile(model, backend=rec, fullgraph=True),
             inputs,
-            hooks.chain(hooks.fp8_rowwise(), _flat(), _offload()),
+            hooks.chain(hooks.fp8_rowwise(where=None), _flat(), _offload()),
         )
         self.assertGradsEqual(chained, fp8, exact=True)
         # The packed leaves saved for the backward are flat fp8 payloads and scales.

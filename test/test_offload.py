@@ -213,13 +213,15 @@ class TestOffloadOps(TestCase):
 
     def test_chain_round_trip(self, device: str) -> None:
         x = torch.randn(8, 33, device=device)
-        pack, unpack = offload_chain()
+        # The formats on a plain tensor (as eager hooks the default where keeps a tensor
+        # that does not require grad exact).
+        pack, unpack = hooks.chain(hooks.fp8_rowwise(where=None), hooks.cpu_offload())
         packed = pack(x)
         # fp8 payload and float32 scales both moved to the host; the dtype stays a constant.
         _, _, inner = packed
         self.assertEqual([p[0].device.type for p in inner], ["cpu", "cpu"])
         self.assertEqual([p[0].dtype for p in inner], [torch.float8_e4m3fn, torch.float32])
-        fp8_pack, fp8_unpack = hooks.fp8_rowwise()
+        fp8_pack, fp8_unpack = hooks.fp8_rowwise(where=None)
         self.assertTrue(torch.equal(unpack(packed), fp8_unpack(fp8_pack(x))))
 
 

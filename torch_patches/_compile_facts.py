@@ -30,6 +30,10 @@ class CompileFacts:
     #: Why this compilation must not be saved to AOTAutogradCache (hooks fell back to eager
     #: hooks, or keyed only in this process); read by the cache-save patch.
     not_cacheable: list[str] = dataclasses.field(default_factory=list)
+    #: Under an ambient budget, the fraction of the default partition's activation bytes the
+    #: partitioner's cheap recomputation saves, when it met the budget (set by the
+    #: partitioner patch, read by the budget plan: the budget is a fraction of the default's).
+    partition_budget_ratio: float | None = None
 
 
 _ATTR = "_torch_patches_compile_facts"

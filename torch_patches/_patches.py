@@ -114,6 +114,20 @@ PATCHES: tuple[Patch, ...] = (
         tests=('test/test_inline_placement.py', 'test/test_inline_numerics.py', 'test/test_offload.py', 'test/test_upstream_ports.py'),
     ),
     Patch(
+        name="aot.budget_exact_recompute_first",
+        target="torch._functorch.partitioners:choose_saved_values_set",
+        replacement=f"{_TP}_functorch.partitioners:make_choose_saved_values_set",
+        wraps=True,
+        summary="[partitioner] Under an activation-memory budget pair, take the partitioner's cheap "
+        "exact recomputation when it meets the budget",
+        upstream=f"{_BLOB}torch/_functorch/partitioners.py",
+        retire_when="upstream's activation_memory_budget composes with saved tensors hooks that plan storage",
+        fingerprints=_fp("aot.budget_exact_recompute_first"),
+        after=("aot.inline_saved_tensors_hooks",),
+        issue=25,
+        tests=("test/test_budget.py",),
+    ),
+    Patch(
         name="aot.runtime_hooks_not_disabled_by_type",
         target=f"{_RW}:_should_disable_saved_tensors_hooks",
         replacement=f"{_TP}_functorch._aot_autograd.runtime_wrappers:_should_disable_saved_tensors_hooks",

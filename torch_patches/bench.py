@@ -782,6 +782,11 @@ def _fractions(text: str) -> tuple[float, ...]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    if "--train" in (sys.argv[1:] if argv is None else argv):
+        from torch_patches import convergence
+
+        return convergence.main(argv)
+
     parser = argparse.ArgumentParser(prog="python -m torch_patches bench", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument(

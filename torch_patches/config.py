@@ -68,11 +68,18 @@ hook_activation_inputs: bool = True
 validate_unpack: bool = True
 
 # The ready-made lossy hooks (bf16, fp8_rowwise, int8_rowwise and chains holding them)
-# select the saved tensors they compress with torch_patches.hooks.select.numerics_safe:
-# not tensors whose backward use amplifies absolute error (consumed, directly or through a
-# recompute chain, by sin/cos/exp/pow/log/rsqrt/...: RoPE angles, logits), not normalisation
-# statistics, not tensors too small to pay. False: compress every saved tensor they see.
+# and the budget planner compress only what torch_patches.hooks.numerics_safe accepts: a
+# saved tensor every backward reader of which has an entry on the numerics allowlist
+# (torch_patches/_numerics.py) for the argument it reads it as; unknown ops, statistics
+# (log-sum-exp, mean, rstd) and tensors too small to pay stay exact. False: compress every
+# saved tensor they see.
 lossy_hooks_numerics_safe: bool = True
+
+# Entries added to (or overriding) the numerics allowlist: {"namespace::op" or
+# "namespace::op.overload": {"argument name" or "*": "fp8" | "int8" | "bf16" | "exact"}},
+# the lossiest storage an error of that argument tolerates where it meets a gradient.
+# torch_patches.hooks.tolerate(op, *args, storage=...) adds one.
+numerics_allowlist: dict = {}
 
 # numerics_safe also leaves saved tensors smaller than this many bytes uncompressed.
 lossy_min_bytes: int = 0
@@ -96,6 +103,17 @@ activation_budget_host_bandwidth: float | None = None
 activation_budget_flops: float | None = None
 # Fixed cost of one kernel, microseconds (2 / 5).
 activation_budget_kernel_overhead_us: float | None = None
+# Under a budget (a fraction) around the compiled call or in config, ask torch's partitioner
+# for its cheap exact recomputation first (its more aggressive min-cut: fusible chains it
+# recomputes without its bans); when that alone saves at most the budget's fraction of the
+# default partition's activation bytes, the graph is partitioned that way and nothing is
+# compressed (torch_patches/_functorch/partitioners.py). False: the plan starts from the
+# default partition.
+activation_budget_partitioner_recompute: bool = True
+# Among plans that meet the budget, the plan prefers exact options (keep, offload,
+# recompute) to bf16 and bf16 to fp8, unless a lossier plan is estimated faster by more
+# than this fraction of the graph's estimated compute time.
+activation_budget_lossy_margin: float = 0.05
 
 # When a hook cannot be inlined (untraceable) and the compile is not fullgraph:
 #  "warn" (default): keep eager hook semantics for that graph, with one warning.

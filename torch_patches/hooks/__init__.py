@@ -22,7 +22,7 @@ pairs (compress, then offload), and ``cpu_offload(pin_memory)``
 back in the backward, with the reload issued ahead of its use).  Each documents its error
 bound.  ``select(pack, unpack, where=...)`` applies any pair only to the saved tensors a
 compile-time predicate accepts (``torch_patches.hooks.select``); the lossy pairs default to
-``where=numerics_safe``.  ``budget(memory)`` lets the compiler choose among them per saved
+``where=numerics_safe``, the numerics allowlist, to which ``tolerate(op, *args)`` adds entries.  ``budget(memory)`` lets the compiler choose among them per saved
 tensor to fit a byte budget (``torch_patches.hooks.budget``).
 """
 
@@ -52,6 +52,7 @@ __all__ = [
     "numerics_safe",
     "select",
     "SavedTensorInfo",
+    "tolerate",
 ]
 
 
@@ -93,4 +94,4 @@ from torch_patches.hooks.compress import (  # noqa: E402
 )
 from torch_patches.hooks.budget import budget  # noqa: E402
 from torch_patches.hooks.offload import cpu_offload  # noqa: E402
-from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select  # noqa: E402
+from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select, tolerate  # noqa: E402

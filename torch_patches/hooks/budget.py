@@ -1,7 +1,7 @@
 """An activation memory budget: the compiler chooses how each saved tensor is stored.
 
 ``budget(memory)`` is a saved-tensors hook pair that asks the inliner to *plan*: for every
-saved tensor of a compiled graph it chooses keep, bf16, fp8 row-wise, CPU offload, fp8 +
+saved tensor of a compiled graph it chooses keep, bf16, int8 or fp8 row-wise, CPU offload, fp8 +
 offload or recompute so that the bytes the graph saves for the backward fit ``memory`` at the least
 estimated step time::
 
@@ -48,7 +48,7 @@ BUDGET_ATTR = "__torch_patches_budget__"
 
 #: Every option a plan may choose besides keeping the tensor: the storage options, least
 #: lossy first, then recomputing it in the backward (exact; see activation_budget.py).
-OPTIONS = ("bf16", "fp8", "offload", "fp8+offload", "recompute")
+OPTIONS = ("bf16", "int8", "fp8", "offload", "fp8+offload", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)

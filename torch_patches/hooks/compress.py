@@ -28,6 +28,7 @@ Common contract of every hook here:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from torch_patches.hooks import inlineable, is_inlineable
-from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select, unwrap_select
+from torch_patches.hooks.select import (
+    BF16,
+    FP8,
+    INT8,
+    SavedTensorInfo,
+    numerics_safe,
+    select,
+    select_otherwise,
+    unwrap_select,
+)
 
 
 __all__ = ["HookPair", "bf16", "chain", "fp8_rowwise", "int8_rowwise"]
@@ -46,8 +56,19 @@ HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 Where = Callable[[SavedTensorInfo], bool] | None
 
 
-def _where(pair: HookPair, where: Where) -> HookPair:
-    return pair if where is None else select(*pair, where=where)
+def _where(pair: HookPair, where: Where, storage: str, otherwise: HookPair | str | None = None) -> HookPair:
+    """``pair`` applied where ``where`` accepts (``otherwise`` elsewhere); the default,
+    :func:`numerics_safe`, is asked for this hook's ``storage`` (``"bf16"``, ``"int8"``,
+    ``"fp8"``); ``otherwise="bf16"`` is :func:`bf16` (with its own default ``where``)."""
+    if where is None:
+        return pair
+    if where is numerics_safe:
+        where = functools.partial(numerics_safe, storage=storage)
+    if isinstance(otherwise, str):
+        if otherwise != "bf16":
+            raise ValueError(f"otherwise must be a (pack, unpack) pair, 'bf16' or None, got {otherwise!r}")
+        otherwise = bf16()
+    return select(*pair, where=where, otherwise=otherwise)
 
 #: The OCP fp8 formats fp8_rowwise stores (the ``fnuz`` variants are not supported: their
 #: ``torch.finfo`` misreports e5m2fnuz's eps, and the bounds here are stated for these two).
@@ -101,7 +122,7 @@ def bf16(where: Where = numerics_safe) -> HookPair:
     default, :func:`~torch_patches.hooks.select.numerics_safe`, leaves tensors whose backward
     use amplifies absolute error (angles, logits, statistics) as they are; ``None``: all.
     """
-    return _where(inlineable(bf16_pack, bf16_unpack), where)
+    return _where(inlineable(bf16_pack, bf16_unpack), where, BF16)
 
 
 # ------------------------------------------------------------------------- row-wise
@@ -110,17 +131,27 @@ def bf16(where: Where = numerics_safe) -> HookPair:
 _MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 
 
+def _blocks(x: torch.Tensor, block_size: int | None) -> bool:
+    """Whether ``x`` is scaled per block of ``block_size`` along its last dim (a multiple of
+    it, and longer), rather than per row."""
+    return block_size is not None and x.dim() >= 1 and x.shape[-1] > block_size and x.shape[-1] % block_size == 0
+
+
 def _rowwise_quantize(
-    x: torch.Tensor, qmax: float, qdtype: torch.dtype, *, round_to_int: bool
+    x: torch.Tensor, qmax: float, qdtype: torch.dtype, *, round_to_int: bool, block_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` per row of its last dim: ``(q, scale)`` with ``x ≈ q * scale``.
 
     ``scale = max(amax_row / qmax, 2^-126)`` in float32 (shape ``x.shape[:-1] + (1,)``; 0-d
     and 1-d tensors are one row).  The floor (float32's smallest normal) keeps an all-zero row
     (and a row of float32 subnormals, whose ``amax / qmax`` would underflow to 0) from being
-    divided by zero: such a row stores ``0 / 2^-126 = 0``, no NaN.
+    divided by zero: such a row stores ``0 / 2^-126 = 0``, no NaN.  With ``block_size`` (see
+    :func:`_blocks`) each block of the last dim is a row: ``q`` has shape
+    ``x.shape[:-1] + (n // block_size, block_size)``.
     """
     xf = x.to(torch.float32)
+    if _blocks(x, block_size):
+        xf = xf.unflatten(-1, (x.shape[-1] // block_size, block_size))
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = (amax / qmax).clamp_min(_MIN_SCALE)
     v = xf / scale
@@ -134,11 +165,33 @@ def _rowwise_dequantize(packed: Any) -> torch.Tensor:
     """Unpack of the row-wise hooks: ``q * scale`` in float32, cast to the original dtype."""
     if isinstance(packed, torch.Tensor):
         return packed
-    q, scale, dtype = packed
-    return (q.to(torch.float32) * scale).to(dtype)
+    q, scale, dtype = packed[:3]
+    x = q.to(torch.float32) * scale
+    if len(packed) == 4:  # scaled per block: (q, scale, dtype, "blocks")
+        x = x.flatten(-2)
+    return x.to(dtype)
 
 
-def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn, where: Where = numerics_safe) -> HookPair:
+def _rowwise_pack(
+    x: torch.Tensor, qmax: float, qdtype: torch.dtype, round_to_int: bool, block_size: int | None
+) -> Any:
+    q, scale = _rowwise_quantize(x, qmax, qdtype, round_to_int=round_to_int, block_size=block_size)
+    return (q, scale, x.dtype, "blocks") if _blocks(x, block_size) else (q, scale, x.dtype)
+
+
+def _check_block_size(block_size: Any, what: str) -> int | None:
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"{what}: block_size must be a positive int or None, got {block_size!r}")
+    return block_size
+
+
+def fp8_rowwise(
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    where: Where = numerics_safe,
+    *,
+    block_size: int | None = None,
+    otherwise: HookPair | str | None = "bf16",
+) -> HookPair:
     """Hooks storing floating-point saved tensors as fp8 with one float32 scale per row.
 
     A row is the last dimension (a 0-d or 1-d tensor is one row).  Pack computes
@@ -170,8 +223,21 @@ def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn, where: Where = numeric
     Memory: 1 byte per element plus 4 bytes per row.  The scale is float32: float64 rows with
     ``amax`` beyond float32's range are not supported.
 
-    ``where``: which saved tensors to compress, as for :func:`bf16`.
+    ``block_size``: one scale per block of that many elements of the last dimension instead
+    of per row (for rows that are a multiple of it, and longer; others stay row-wise): the
+    bounds hold with the block's ``amax`` for the row's, at 4 bytes per block.
+
+    ``where``: which saved tensors to compress.  The default, the numerics allowlist
+    (:func:`~torch_patches.hooks.select.numerics_safe` for ``"fp8"``), accepts the operands of
+    matmuls that compute a parameter's gradient (a linear layer's input: its error averages
+    over the tokens the weight gradient sums); ``None``: every floating-point tensor.
+    ``otherwise``: the pair for the saved tensors ``where`` rejects: ``"bf16"`` (the default,
+    :func:`bf16` with its own allowlist default: the coefficients of activation gradients,
+    q/k/v, norm inputs, derivatives of activations, where fp8's error costs training
+    quality), another pair (``int8_rowwise()``), or ``None`` (keep them as they are).
+    See ``benchmarks/README.md``, "Convergence", for what each costs.
     """
+    _check_block_size(block_size, "fp8_rowwise")
     if dtype not in _FP8_DTYPES:
         raise ValueError(
             f"fp8_rowwise: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
@@ -182,19 +248,20 @@ def fp8_rowwise(dtype: torch.dtype = torch.float8_e4m3fn, where: Where = numeric
     def fp8_rowwise_pack(x: torch.Tensor) -> Any:
         if not _compressible(x, 1):
             return x
-        q, scale = _rowwise_quantize(x, fmax, dtype, round_to_int=False)
-        return (q, scale, x.dtype)
+        return _rowwise_pack(x, fmax, dtype, False, block_size)
 
     def fp8_rowwise_unpack(packed: Any) -> torch.Tensor:
         return _rowwise_dequantize(packed)
 
-    return _where(inlineable(fp8_rowwise_pack, fp8_rowwise_unpack), where)
+    return _where(inlineable(fp8_rowwise_pack, fp8_rowwise_unpack), where, FP8, otherwise)
 
 
 _INT8_MAX = 127.0
 
 
-def int8_rowwise(where: Where = numerics_safe) -> HookPair:
+def int8_rowwise(
+    where: Where = numerics_safe, *, block_size: int | None = None, otherwise: HookPair | str | None = "bf16"
+) -> HookPair:
     """Hooks storing floating-point saved tensors as symmetric int8 with a scale per row.
 
     A row is the last dimension (a 0-d or 1-d tensor is one row).  Pack computes
@@ -218,19 +285,21 @@ def int8_rowwise(where: Where = numerics_safe) -> HookPair:
     Memory: 1 byte per element plus 4 bytes per row.  The scale is float32: float64 rows with
     ``amax`` beyond float32's range are not supported.
 
-    ``where``: which saved tensors to compress, as for :func:`bf16`.
+    ``block_size``: as for :func:`fp8_rowwise`.  ``where``: the numerics allowlist for
+    ``"int8"`` by default (every saved tensor it lists: a gradient's coefficients as well as
+    weight-gradient operands); ``otherwise``: as for :func:`fp8_rowwise`.
     """
+    _check_block_size(block_size, "int8_rowwise")
 
     def int8_rowwise_pack(x: torch.Tensor) -> Any:
         if not _compressible(x, 1):
             return x
-        q, scale = _rowwise_quantize(x, _INT8_MAX, torch.int8, round_to_int=True)
-        return (q, scale, x.dtype)
+        return _rowwise_pack(x, _INT8_MAX, torch.int8, True, block_size)
 
     def int8_rowwise_unpack(packed: Any) -> torch.Tensor:
         return _rowwise_dequantize(packed)
 
-    return _where(inlineable(int8_rowwise_pack, int8_rowwise_unpack), where)
+    return _where(inlineable(int8_rowwise_pack, int8_rowwise_unpack), where, INT8, otherwise)
 
 
 # ------------------------------------------------------------------------- chaining
@@ -283,8 +352,9 @@ def chain(first: HookPair, *rest: HookPair) -> HookPair:
 
     Pairs made with :func:`~torch_patches.hooks.select` (the lossy hooks by default) make the
     whole chain selective: it applies to the saved tensors every such pair accepts; the
-    others are saved as they are (``chain(fp8_rowwise(), cpu_offload())`` neither compresses
-    nor offloads RoPE angles; pass ``where=None`` to the lossy pair to offload everything).
+    others are saved as they are, or take the chain with the pair's ``otherwise`` in its
+    place (``chain(fp8_rowwise(), cpu_offload())`` neither compresses nor offloads RoPE
+    angles; pass ``where=None`` to the lossy pair to offload everything).
 
     The chained functions are marked inlineable when every function of every pair is
     (``fx.GraphModule`` or marked); otherwise they are returned unmarked and run as eager
@@ -294,19 +364,21 @@ def chain(first: HookPair, *rest: HookPair) -> HookPair:
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(callable, pair))):
             raise TypeError(f"chain: argument {i} is not a (pack, unpack) pair of callables")
-    # Selective pairs (select(), the lossy hooks' numerics-safe default): the chain applies
-    # to the saved tensors every one of them accepts, and to those only.
-    wheres = []
-    inner = []
-    for pair in pairs:
+    # Selective pairs (select(), the lossy hooks' numerics-safe default) distribute over the
+    # chain: chain(a, select(b, w, otherwise=c)) == select(chain(a, b), w, otherwise=chain(a, c)),
+    # so the chain applies to the saved tensors every such pair accepts (its otherwise pair
+    # to the others).
+    for i, pair in enumerate(pairs):
         sel = unwrap_select(pair)
-        if sel is not None:
-            wheres.append(sel[2])
-            pair = (sel[0], sel[1])
-        inner.append(pair)
-    result: HookPair = (inner[0][0], inner[0][1])
-    for pair in inner[1:]:
+        if sel is None:
+            continue
+        other = select_otherwise(pair)
+
+        def swap(p: HookPair, i: int = i) -> HookPair:
+            return chain(*pairs[:i], p, *pairs[i + 1 :])
+
+        return select(*swap((sel[0], sel[1])), where=sel[2], otherwise=None if other is None else swap(other))
+    result: HookPair = (pairs[0][0], pairs[0][1])
+    for pair in pairs[1:]:
         result = _chain2(result, (pair[0], pair[1]))
-    for where in wheres:
-        result = select(*result, where=where)
     return result

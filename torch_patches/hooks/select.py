@@ -18,8 +18,10 @@ eager hooks the same pair asks the same predicate with what eager knows at pack 
 (producer from ``grad_fn``, dtype, shape, bytes; no backward consumers: ``None``).
 
 :func:`numerics_safe` is the default of the ready-made lossy hooks (``bf16``,
-``fp8_rowwise``, ``int8_rowwise`` and chains holding them): it keeps tensors whose backward
-use amplifies absolute error, normalisation statistics and tensors too small to pay.
+``fp8_rowwise``, ``int8_rowwise`` and chains holding them): the numerics allowlist
+(``torch_patches/_numerics.py``).  A tensor is compressed only where every op reading it
+in the backward is known to carry a relative error of it into a proportional error of
+the gradient; unknown ops, statistics and tensors too small to pay stay exact.
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches import _numerics
+from torch_patches._numerics import BF16, EXACT, FP8, INT8
 
-__all__ = ["SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select", "unwrap_select"]
+
+__all__ = [
+    "BF16", "EXACT", "FP8", "INT8", "OTHERWISE_ATTR", "SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select",
+    "select_otherwise", "tolerate", "unwrap_select",
+]
 
 #: Attribute on both functions of a :func:`select` pair: ``(pack, unpack, where)``.
 SELECT_ATTR = "__torch_patches_select__"
+#: Attribute on both functions of a :func:`select` pair: its ``otherwise`` pair, or None.
+OTHERWISE_ATTR = "__torch_patches_select_otherwise__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +61,16 @@ class SavedTensorInfo:
             ``grad_fn`` name in eager (``"MmBackward0"``); ``None`` for graph inputs and leaves.
         dtype, shape: the tensor's (symbolic sizes as their hints).
         nbytes: its size in bytes.
-        backward_consumers: the ops that read it in the backward, followed through ops that
-            only move, reshape, cast or scale it (a recompute chain), in graph order;
-            ``None`` in eager, where the backward is not known at pack time.
+        backward_consumers: the ops that read it in the backward, up to where its error meets
+            a gradient (through views, casts and the recomputation of what it feeds), in
+            graph order; ``None`` in eager, where the backward is not known at pack time.
         is_input: a graph input (compiled) or a leaf (eager).
         scope: ``"ambient"``, an in-region scope's name, or ``"eager"``.
+        tolerance: the lossiest storage the numerics allowlist accepts for it: ``"exact"``,
+            ``"bf16"``, ``"int8"`` or ``"fp8"``; see ``torch_patches/_numerics.py``.
+        why: what limits ``tolerance`` (the reader and argument, or the producer), or None.
+        readers: ``"op[argument]"`` for every argument it is read as on the way to a
+            gradient (compiled); ``None`` in eager.
     """
 
     name: str | None
@@ -66,6 +81,9 @@ class SavedTensorInfo:
     backward_consumers: tuple[str, ...] | None
     is_input: bool
     scope: str
+    tolerance: str = FP8
+    why: str | None = None
+    readers: tuple[str, ...] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -73,8 +91,9 @@ class SavedTensorInfo:
 
     @staticmethod
     def from_tensor(t: torch.Tensor) -> "SavedTensorInfo":
-        """What eager knows of a tensor at pack time."""
+        """What eager knows of a tensor at pack time (its producer, not its readers)."""
         grad_fn = t.grad_fn
+        tolerance, why = _numerics.eager_verdict(t)
         return SavedTensorInfo(
             name=None,
             producer=None if grad_fn is None else type(grad_fn).__name__,
@@ -84,6 +103,8 @@ class SavedTensorInfo:
             backward_consumers=None,
             is_input=t.grad_fn is None,
             scope="eager",
+            tolerance=tolerance,
+            why=why,
         )
 
 
@@ -96,44 +117,82 @@ class _Kept:
         self.tensor = tensor
 
 
+class _Otherwise:
+    """A saved tensor the predicate rejected, packed by the ``otherwise`` pair (eager)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
 def select(
     pack: Callable[[torch.Tensor], Any],
     unpack: Callable[[Any], torch.Tensor],
     where: Callable[[SavedTensorInfo], bool],
-) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-    """``(pack, unpack)`` applied only to the saved tensors ``where(info)`` accepts.
+    otherwise: HookPair | None = None,
+) -> HookPair:
+    """``(pack, unpack)`` applied only to the saved tensors ``where(info)`` accepts; the
+    others are saved as they are, or packed by the ``otherwise`` pair.
 
-    The result is inlineable when ``pack`` and ``unpack`` are (``fx.GraphModule`` or marked
-    with :func:`~torch_patches.hooks.inlineable`); the inliner then evaluates ``where`` at
-    compile time and traces ``pack``/``unpack`` for the accepted tensors only.  ``where``
-    must be a pure function of its argument (and of what it reads, which is keyed like a
-    hook's code).  Nested ``select``\\ s combine: both predicates must accept.
+    The result is inlineable when ``pack`` and ``unpack`` (and ``otherwise``'s) are
+    (``fx.GraphModule`` or marked with :func:`~torch_patches.hooks.inlineable`); the inliner
+    then evaluates ``where`` at compile time and traces ``pack``/``unpack`` for the
+    accepted tensors only (``otherwise``, which may select in turn, for the others).
+    ``where`` must be a pure function of its argument (and of what it reads, which is keyed
+    like a hook's code).  Nested ``select``\\ s combine: both predicates must accept.
+
+    ``otherwise`` gives precision where it pays: ``select(*fp8_rowwise(where=None),
+    where=functools.partial(numerics_safe, storage="fp8"), otherwise=bf16())`` stores in fp8
+    what tolerates fp8 and in bf16 what tolerates less (``fp8_rowwise()`` is the same).
     """
     if not callable(where):
         raise TypeError(f"select: where must be callable, got {type(where).__name__}")
+    if otherwise is not None and not (
+        isinstance(otherwise, (tuple, list)) and len(otherwise) == 2 and all(map(callable, otherwise))
+    ):
+        raise TypeError("select: otherwise must be a (pack, unpack) pair of callables")
     inner = unwrap_select((pack, unpack))
-    if inner is not None:
+    if inner is not None and select_otherwise((pack, unpack)) is None:
         pack, unpack, outer = inner
         where = functools.partial(_both, outer, where)
+    other = None if otherwise is None else (otherwise[0], otherwise[1])
 
     def select_pack(t: torch.Tensor) -> Any:
-        return pack(t) if where(SavedTensorInfo.from_tensor(t)) else _Kept(t)
+        if where(SavedTensorInfo.from_tensor(t)):
+            return pack(t)
+        return _Kept(t) if other is None else _Otherwise(other[0](t))
 
     def select_unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Kept) else unpack(packed)
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        if isinstance(packed, _Otherwise):
+            return other[1](packed.packed)  # type: ignore[index]
+        return unpack(packed)
 
     from torch_patches.hooks import inlineable, is_inlineable
 
     parts = (pack, unpack, where)
     for fn in (select_pack, select_unpack):
         setattr(fn, SELECT_ATTR, parts)
-    if is_inlineable(pack) and is_inlineable(unpack):
+        setattr(fn, OTHERWISE_ATTR, other)
+    if all(is_inlineable(f) for f in (pack, unpack, *(other or ()))):
         return inlineable(select_pack, select_unpack)
     return select_pack, select_unpack
 
 
 def _both(first: Callable[[Any], bool], second: Callable[[Any], bool], info: Any) -> bool:
     return bool(first(info)) and bool(second(info))
+
+
+def select_otherwise(hooks: Any) -> HookPair | None:
+    """The ``otherwise`` pair of a :func:`select` pair (None: none, or not a select pair)."""
+    if not hooks or unwrap_select(hooks) is None:
+        return None
+    return getattr(hooks[0], OTHERWISE_ATTR, None)
 
 
 def unwrap_select(hooks: Any) -> tuple[Any, Any, Callable[[SavedTensorInfo], bool]] | None:
@@ -148,59 +207,16 @@ def unwrap_select(hooks: Any) -> tuple[Any, Any, Callable[[SavedTensorInfo], boo
 
 # --------------------------------------------------------------- numerics-safe default
 
-#: Ops whose result moves far when their input moves by an absolute error: periodic
-#: (angles), exponential (logits), powers and inverses (statistics, denominators).
-AMPLIFYING_OPS = frozenset(
-    {
-        "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-        "exp", "exp2", "expm1", "pow", "log", "log2", "log10", "log1p", "reciprocal",
-        "rsqrt", "sqrt", "_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp",
-        "polar", "special_erfcx", "erfinv",
-    }
-)
-#: ``pow`` by a constant exponent of at most this magnitude only scales relative error
-#: (x**2: twice x's); larger ones and tensor exponents amplify it.
-_MILD_POW = 2.0
-#: Ops whose output is normalisation statistics when it is not output 0.
-_NORM_OPS = frozenset(
-    {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
-     "_native_batch_norm_legit_functional", "native_group_norm", "_fused_rms_norm",
-     "var_mean", "batch_norm_stats"}
-)
-#: Producers that are statistics themselves.
-_STAT_OPS = frozenset({"rsqrt", "reciprocal", "var", "var_mean", "std", "std_mean"})
 
+def numerics_safe(info: SavedTensorInfo, storage: str = BF16) -> bool:
+    """The default ``where=`` of the ready-made lossy hooks: the numerics allowlist.
 
-def op_base_name(op: str) -> str:
-    """``"aten.sin.default"`` -> ``"sin"``; ``"SinBackward0"`` -> ``"sin"``; ``"getitem:1 of
-    aten.native_layer_norm.default"`` -> ``"native_layer_norm"``."""
-    if op.endswith(")") and "(" in op:  # "aten.pow.Tensor_Scalar(2)"
-        op = op[: op.rindex("(")]
-    if " of " in op:
-        op = op.split(" of ", 1)[1]
-    if op.startswith(("aten.", "prims.")):
-        return op.split(".")[1]
-    if op.endswith(("Backward0", "Backward1")):
-        import re
-
-        return re.sub(r"(?<!^)(?=[A-Z])", "_", op[: -len("Backward0")]).lower()
-    return op
-
-
-def numerics_safe(info: SavedTensorInfo) -> bool:
-    """The default ``where=`` of the ready-made lossy hooks.
-
-    Rejects (saves as it is) a tensor
-
-    * read in the backward, directly or through a recompute chain, by an op that amplifies
-      absolute error (:data:`AMPLIFYING_OPS`: sin/cos of RoPE angles, exp of logits,
-      pow/rsqrt/reciprocal of statistics), except ``exp`` of a negative multiple of a
-      square (GELU's backward) and ``exp`` read only as ``1 / (1 + exp)`` (a sigmoid:
-      SiLU's backward): bounded, so their error stays proportional to the input's;
-    * that is normalisation statistics (an output other than the first of a norm op, or
-      produced by rsqrt/reciprocal/var/std);
-    * too small for row-wise compression to pay (last dimension below 2, 0-d) or smaller
-      than ``torch_patches.config.lossy_min_bytes``.
+    Accepts a tensor when it may be stored in ``storage`` (``"bf16"``, the default and the
+    least lossy, ``"int8"`` or ``"fp8"``): its :attr:`SavedTensorInfo.tolerance` is at least
+    that (every op reading it in the backward has an allowlist entry for the argument it
+    reads it as, see ``torch_patches/_numerics.py``), and it is large enough for row-wise
+    compression to pay (a last dimension of at least 2, at least ``config.lossy_min_bytes``).
+    The ready-made hooks pass their own storage (``fp8_rowwise()`` asks for ``"fp8"``).
 
     ``torch_patches.config.lossy_hooks_numerics_safe = False`` accepts every tensor.
     """
@@ -210,142 +226,87 @@ def numerics_safe(info: SavedTensorInfo) -> bool:
         return True
     if info.nbytes < config.lossy_min_bytes or not info.shape or info.shape[-1] < 2:
         return False
-    producer = info.producer
-    if producer is not None:
-        base = op_base_name(producer)
-        if base in _STAT_OPS:
-            return False
-        if producer.startswith("getitem:") and base in _NORM_OPS and not producer.startswith("getitem:0 "):
-            return False
-    if info.backward_consumers is not None:
-        if any(_amplifies(op) for op in info.backward_consumers):
-            return False
-    return True
+    return _numerics.tolerates(info.tolerance, _numerics.check_level(storage, "numerics_safe"))
 
 
-def _amplifies(op: str) -> bool:
-    base = op_base_name(op)
-    if base == "exp" and op.endswith(tuple(f"({b})" for b in _BOUNDED_EXP)):
-        # exp(-c x^2) <= 1, its error at most 2/e times x's relative error; 1/(1+exp(-x))
-        # has slope x*s*(1-s) <= 0.28 per unit of x's relative error.
-        return False
-    if base == "pow" and op.endswith(")") and "(" in op:
-        try:
-            return abs(float(op[op.rindex("(") + 1 : -1])) > _MILD_POW
-        except ValueError:
-            return True
-    return base in AMPLIFYING_OPS
+def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
+    """Add an entry to the numerics allowlist: an error of the arguments ``args`` of ``op``
+    stored in ``storage`` reaches the gradient proportionally.
+
+    ``op``: an ``OpOverload`` (``torch.ops.mylib.attn_backward.default``: that overload), an
+    ``OpOverloadPacket`` (every overload) or its name (``"mylib::attn_backward"``);
+    ``args``: schema argument names, or ``"*"`` for every tensor argument; ``storage``:
+    the lossiest level an error of them tolerates where they meet a gradient, ``"int8"``
+    (the default, as the built-in entries of a gradient's coefficients), ``"fp8"``, ``"bf16"``
+    or ``"exact"`` (overrides a built-in entry).
+    The entry goes to ``torch_patches.config.numerics_allowlist``, which is part of every
+    compiled graph's identity: graphs compiled before recompile.  Use
+    ``config.patch(numerics_allowlist=...)`` for a scoped change.
+    """
+    from torch_patches import config
+
+    _numerics.check_level(storage, "tolerate")
+    if not args:
+        raise ValueError("tolerate: name at least one argument (or '*')")
+    if isinstance(op, torch._ops.OpOverload):
+        key = f"{op._schema.name}.{op._overloadname}"
+        schemas = [op._schema]
+    elif isinstance(op, torch._ops.OpOverloadPacket):
+        key = op._qualified_op_name
+        schemas = [getattr(op, o)._schema for o in op.overloads()]
+    elif isinstance(op, str) and "::" in op:
+        key, schemas = op, []
+    else:
+        raise TypeError(f"tolerate: op must be an OpOverload, an OpOverloadPacket or 'namespace::name', got {op!r}")
+    known = {a.name for schema in schemas for a in schema.arguments}
+    unknown = [a for a in args if a != _numerics.ALL_ARGS and schemas and a not in known]
+    if unknown:
+        raise ValueError(f"tolerate: {key} has no argument {unknown[0]!r} (its arguments: {sorted(known)})")
+    entries = {k: dict(v) for k, v in config.numerics_allowlist.items()}
+    entries.setdefault(key, {}).update(dict.fromkeys(args, storage))
+    # Sorted: the same entries are the same config (guards and cache keys read its repr).
+    config.numerics_allowlist = {k: dict(sorted(v.items())) for k, v in sorted(entries.items())}
+
+
+def op_base_name(op: str) -> str:
+    """``"aten.sin.default"`` -> ``"sin"``; ``"SinBackward0"`` -> ``"sin"``; ``"getitem:1 of
+    aten.native_layer_norm.default"`` -> ``"native_layer_norm"``."""
+    return _numerics.base_name(op)
 
 
 # ------------------------------------------------------------ compile-time context
 
-#: Ops a recompute chain passes a saved tensor through without changing what it means:
-#: views, copies, casts, scaling and concatenation.  The chain is followed through them to
-#: the ops that really consume the tensor.
-_TRANSPARENT = frozenset(
-    {
-        "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
-        "squeeze", "slice", "select", "clone", "alias", "detach", "_to_copy",
-        "convert_element_type", "mul", "div", "add", "sub", "neg", "cat", "unbind",
-        "split", "split_with_sizes", "as_strided", "contiguous", "index", "index_select",
-        "repeat", "getitem", "stack", "flatten",
-    }
-)
-_MAX_CHAIN = 64
-
 
 def backward_consumers(bw_input: Any) -> tuple[str, ...]:
-    """The ops that read a saved tensor's backward input, through recompute chains."""
-    seen: set[Any] = set()
-    found: list[str] = []
-    stack = [u for u in bw_input.users]
-    while stack and len(seen) < _MAX_CHAIN:
-        node = stack.pop(0)
-        if node in seen or node.op != "call_function":
-            continue
-        seen.add(node)
-        name = _target_name(node)
-        if node.target is torch.ops.aten.pow.Tensor_Scalar and isinstance(node.args[1], (int, float)):
-            name = f"{name}({node.args[1]})"  # the exponent decides (see numerics_safe)
-        elif node.target is torch.ops.aten.exp.default and _negative_square(node.args[0]):
-            name = f"{name}({NEGATIVE_SQUARE})"
-        elif node.target is torch.ops.aten.exp.default and _logistic(node):
-            name = f"{name}({LOGISTIC})"
-        found.append(name)
-        if op_base_name(name) in _TRANSPARENT:
-            stack.extend(node.users)
-    return tuple(dict.fromkeys(found))
+    """The ops that read a saved tensor's backward input, up to where its error meets a
+    gradient (the numerics walk's readers, without their arguments)."""
+    from torch_patches._functorch._aot_autograd import saved_numerics
+
+    return saved_numerics.reader_ops(_verdict_of(None, bw_input).readers)
 
 
-#: Consumer-name suffix of ``exp(c * x * x)`` with ``c < 0`` (a Gaussian: GELU's backward).
-NEGATIVE_SQUARE = "-x^2"
-#: Consumer-name suffix of an ``exp`` read only as ``1 / (1 + exp(.))`` (a sigmoid: SiLU's
-#: backward as Inductor decomposes it).
-LOGISTIC = "logistic"
-#: The ``exp`` forms whose output, and its error, are bounded.
-_BOUNDED_EXP = (NEGATIVE_SQUARE, LOGISTIC)
+def _verdict_of(saved: Any, bw_input: Any) -> Any:
+    from torch_patches._functorch._aot_autograd import saved_numerics
+
+    if saved is None:  # the readers only
+        saved = bw_input
+    return saved_numerics.verdict(saved, bw_input, backward_facts(bw_input.graph) if bw_input is not None else set())
 
 
-def _number(arg: Any) -> float | None:
-    return float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
+#: ``GraphModule.meta`` key of the backward graph's :class:`saved_numerics.BackwardFacts`.
+BACKWARD_FACTS_META = "torch_patches_backward_facts"
 
 
-def _square(node: Any) -> bool:
-    """``x * x``, ``x ** 2``, or a positive multiple of one."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    aten = torch.ops.aten
-    if node.target is aten.mul.Tensor and node.args[0] is node.args[1]:
-        return True
-    if node.target is aten.pow.Tensor_Scalar and _number(node.args[1]) == 2.0:
-        return True
-    if node.target in (aten.mul.Tensor, aten.mul.Scalar):
-        a, b = node.args[:2]
-        c = _number(b) if _number(b) is not None else _number(a)
-        return c is not None and c > 0 and _square(a if _number(b) is not None else b)
-    return False
+def backward_facts(graph: fx.Graph) -> Any:
+    """The walk's facts of a backward graph: recorded on its module by the inliner (which
+    knows the inputs the caller keeps), else the gradient-dependent nodes alone."""
+    from torch_patches._functorch._aot_autograd import saved_numerics
 
-
-def _negative_square(node: Any) -> bool:
-    """``-(x * x)``, ``c * x * x`` or ``x * x / c`` with ``c < 0``: a non-positive exponent
-    whose exp has an absolute error bounded by a constant times x's relative error."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    aten = torch.ops.aten
-    if node.target is aten.neg.default:
-        return _square(node.args[0])
-    if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-        a, b = node.args[:2]
-        if _number(b) is not None:
-            return _number(b) < 0 and _square(a)
-        is_mul = node.target in (aten.mul.Tensor, aten.mul.Scalar)
-        return is_mul and _number(a) is not None and _number(a) < 0 and _square(b)
-    return False
-
-
-def _logistic(exp: Any) -> bool:
-    """``exp`` read only through ``1 / (c + exp)`` or ``y / (c + exp)`` with ``c > 0`` (a
-    sigmoid, SiLU)."""
-    aten = torch.ops.aten
-    if not exp.users:
-        return False
-    for add in exp.users:
-        if add.target not in (aten.add.Tensor, aten.add.Scalar):
-            return False
-        others = [a for a in add.args[:2] if a is not exp]
-        if len(others) != 1 or _number(others[0]) is None or _number(others[0]) <= 0:
-            return False
-        for use in add.users:
-            # 1 / (c + exp) or y / (c + exp) (SiLU: x / (1 + exp(-x))): a factor in (0, 1/c)
-            # whose error is bounded whatever the exponent's.
-            inverse = use.target is aten.reciprocal.default or (
-                use.target in (aten.div.Tensor, aten.div.Scalar)
-                and use.args[1] is add
-                and use.args[0] is not add
-            )
-            if not inverse:
-                return False
-    return bool(exp.users)
+    module = graph.owning_module
+    found = None if module is None else module.meta.get(BACKWARD_FACTS_META)
+    if found is not None and found[0] == len(graph.nodes):
+        return found[1]
+    return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(graph))
 
 
 def _target_name(node: Any) -> str:
@@ -374,15 +335,21 @@ def compiled_info(saved: Any, bw_input: Any, scope: str) -> SavedTensorInfo:
     numel = 1
     for s in shape:
         numel *= s
+    from torch_patches._functorch._aot_autograd import saved_numerics
+
+    found = _verdict_of(saved, bw_input)
     return SavedTensorInfo(
         name=saved.name,
         producer=producer_of(saved),
         dtype=val.dtype,
         shape=shape,
         nbytes=numel * val.element_size(),
-        backward_consumers=backward_consumers(bw_input) if bw_input is not None else (),
+        backward_consumers=saved_numerics.reader_ops(found.readers),
         is_input=saved.op == "placeholder",
         scope=scope,
+        tolerance=found.level,
+        why=found.why,
+        readers=found.readers,
     )
 
 

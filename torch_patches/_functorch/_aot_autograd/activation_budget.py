@@ -205,6 +205,9 @@ class Plan:
         nbytes, neg_point = max((self.live(p), -p) for p in self.points)
         return nbytes, -neg_point
 
+    #: Why this plan was taken among those meeting the budget (for the log).
+    preference: str = "least lossy"
+
     @property
     def estimated_ms(self) -> float:
         return sum(c.chosen.ms for c in self.choices)
@@ -224,10 +227,12 @@ class Plan:
 def option_hooks(name: str) -> tuple[Any, Any]:
     """The hook pair of a storage option (one object per option: traces are shared)."""
     from torch_patches.hooks import chain, cpu_offload, inlineable
-    from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise
+    from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
 
     if name == "bf16":
         return inlineable(bf16_pack, bf16_unpack)
+    if name == "int8":
+        return int8_rowwise(where=None)
     if name == "fp8":
         return fp8_rowwise(where=None)
     if name == "offload":
@@ -238,9 +243,12 @@ def option_hooks(name: str) -> tuple[Any, Any]:
 
 
 def options_for(
-    val: torch.Tensor, nbytes: int, allowed: tuple[str, ...], lossy_ok: bool, window: tuple[float, float], rates: Rates
+    val: torch.Tensor, nbytes: int, allowed: tuple[str, ...], tolerance: str, window: tuple[float, float], rates: Rates
 ) -> list[Option]:
-    """Every allowed option for one saved tensor with its bytes and time (keep first)."""
+    """Every allowed option for one saved tensor with its bytes and time (keep first).
+    ``tolerance``: the lossiest storage the numerics allowlist accepts for it."""
+    from torch_patches import _numerics
+
     from torch_patches.hooks.select import _size_hint
 
     s = val.element_size()
@@ -259,15 +267,32 @@ def options_for(
         fw_window, bw_window = window
         return max(0.0, one_way - fw_window) + max(0.0, one_way - bw_window) + 2 * k
 
-    if lossy_ok and "bf16" in allowed and s > 2:
+    bf16_ok = _numerics.tolerates(tolerance, _numerics.BF16)
+    int8_ok = _numerics.tolerates(tolerance, _numerics.INT8)
+    fp8_ok = _numerics.tolerates(tolerance, _numerics.FP8)
+    if bf16_ok and "bf16" in allowed and s > 2:
         out.append(Option("bf16", 2 * n, (2 * n * s + 4 * n) / bw + 2 * k))
-    if lossy_ok and "fp8" in allowed and s > 1:
+    if int8_ok and "int8" in allowed and s > 1:
+        out.append(Option("int8", fp8_bytes, fp8_ms))  # the same passes, rounding to integers
+    if fp8_ok and "fp8" in allowed and s > 1:
         out.append(Option("fp8", fp8_bytes, fp8_ms))
     if cuda and "offload" in allowed:
         out.append(Option("offload", 0, exposed(nbytes)))
-    if cuda and lossy_ok and "fp8+offload" in allowed and s > 1:
+    if cuda and fp8_ok and "fp8+offload" in allowed and s > 1:
         out.append(Option("fp8+offload", 0, fp8_ms + exposed(fp8_bytes)))
     return out
+
+
+def lossy_tolerance(info: Any) -> str:
+    """The lossiest storage ``numerics_safe`` accepts for a saved tensor (the allowlist's
+    tolerance, and the size rule): one of ``_numerics.LEVELS``."""
+    from torch_patches import _numerics
+    from torch_patches.hooks.select import numerics_safe
+
+    for level in reversed(_numerics.LEVELS[1:]):
+        if numerics_safe(info, level):
+            return level
+    return _numerics.EXACT
 
 
 def lower_hull(options: list[Option]) -> list[Option]:
@@ -275,7 +300,7 @@ def lower_hull(options: list[Option]) -> list[Option]:
     step costing more time per byte saved than the one before: options another beats on
     both bytes and time, and those above the convex hull, are dropped."""
     frontier: list[Option] = []
-    for o in sorted(options, key=lambda o: (o.device_bytes, o.ms, o.name)):
+    for o in sorted(options, key=lambda o: (o.device_bytes, o.ms, LOSS.get(o.name, len(LOSS)), o.name)):
         if not frontier or o.ms < frontier[-1].ms:  # fewer-byte options are all slower
             frontier.append(o)
     hull: list[Option] = []
@@ -545,7 +570,7 @@ def plan(
     ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
     packs, inputs the caller keeps); those in this plan are pinned to keep when read.
     """
-    from torch_patches.hooks.select import compiled_info, numerics_safe
+    from torch_patches.hooks.select import compiled_info
 
     groups: dict[fx.Node, list[fx.Node]] = {}
     for s in members:
@@ -574,7 +599,7 @@ def plan(
         per = []
         for s in saved:
             info = compiled_info(s, bw_inputs.get(s.name), pair.label)
-            opts = options_for(s.meta["val"], info.nbytes, spec.options, numerics_safe(info), hidden[s], rates)
+            opts = options_for(s.meta["val"], info.nbytes, spec.options, lossy_tolerance(info), hidden[s], rates)
             per.append({o.name: o for o in opts})
         common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
         options = [Option(KEEP, storage[root], 0.0)] + [
@@ -585,27 +610,81 @@ def plan(
     fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
     names = {i: n.name for n, i in bw_pos.items()}
 
-    def run(units: list[Choice]) -> Plan:
-        candidate = Plan(
-            pair.label, spec, baseline, fixed, spec.target_bytes(baseline), [_on_hull(c) for c in units],
-            fixed_spans, names,
-        )
+    # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
+    # partitioners.py): the budget is a fraction of the default partition's bytes.
+    from torch_patches import _compile_facts
+
+    found = _compile_facts.facts()
+    ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
+    target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
+
+    def run(units: list[Choice], exact_first: bool = False) -> Plan:
+        on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
+        candidate = Plan(pair.label, spec, baseline, fixed, target, on_hull, fixed_spans, names)
+        if ratio:
+            candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
+        if exact_first:  # the true times of what was chosen
+            candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units)]
+            candidate.preference = "least lossy"
         return candidate
 
-    # Storage options first; recompute (its recipes are only looked for then) where they
-    # cannot meet the budget. The peak is modelled for both, but a recompute pins what it
-    # reads exact and its time is the coarser estimate (flop formulas over bandwidth knobs):
-    # letting it compete on time where storage suffices is left until it is measured.
-    storage_only = run(choices)
-    if storage_only.met or RECOMPUTE not in spec.options:
-        return storage_only
-    sole = [len(groups[act_inputs.storage_root(c.saved[0])]) == 1 for c in choices]
-    recomputable = with_recipes(choices, sole, exact, fw_g, rates)
-    if recomputable is None:
-        return storage_only
-    runs = [storage_only, run(recomputable)]
-    return min(runs, key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+    # The fastest plan: storage options first; recompute (its recipes are only looked for
+    # then) where they cannot meet the budget.
+    fastest = run(choices)
+    recomputable = None
+    if not fastest.met and RECOMPUTE in spec.options:
+        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+        if recomputable is not None:
+            fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+    if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
+        return fastest  # nothing lossy to avoid
+    # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
+    # each tier at the least time; taken unless the fastest is faster by more than the margin.
+    if recomputable is None and RECOMPUTE in spec.options:
+        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+    least_lossy = run(recomputable or choices, exact_first=True)
+    margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
+    if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
+        return least_lossy
+    fastest.preference = (
+        f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}"
+        + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
+    )
+    return fastest
+
+
+#: How lossy each option is: exact (keep, offload, recompute), bf16, int8, fp8 (the
+#: numerics levels' order).
+LOSS = {KEEP: 0, "offload": 0, RECOMPUTE: 0, "bf16": 1, "int8": 2, "fp8": 3, "fp8+offload": 3}
+#: Time added per tier of loss in the least-lossy run: larger than any plan's time, so that
+#: the greedy takes every exact step before a bf16 one and every bf16 step before an fp8 one
+#: (per byte saved).
+_LOSS_PENALTY_MS = 1e6
+
+
+def _lossy(option: Option) -> bool:
+    return LOSS.get(option.name, 3) > 0
+
+
+def _penalized(choice: Choice) -> Choice:
+    options = [dataclasses.replace(o, ms=o.ms + LOSS.get(o.name, 3) * _LOSS_PENALTY_MS) for o in choice.options]
+    return dataclasses.replace(choice, options=options, chosen=options[0])
+
+
+def _unpenalized(choice: Choice, original: Choice) -> Choice:
+    by_name = {o.name: o for o in original.options}
+    return dataclasses.replace(choice, options=[by_name[o.name] for o in choice.options], chosen=by_name[choice.chosen.name])
+
+
+def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[bool]:
+    """Per choice: its tensor is the one reader of its storage (a recompute frees it)."""
+    return [len(groups[act_inputs.storage_root(c.saved[0])]) == 1 for c in choices]
+
+
+def graph_compute_ms(fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates) -> float:
+    """The cost model's time of the forward and backward graphs' compute."""
+    return sum(_node_ms(n, rates) for g in (fw_g, bw_g) for n in g.nodes)
 
 
 def with_recipes(
@@ -691,9 +770,9 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
         )
     peak, point = result.peak
     artifact.debug(
-        "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s",
+        "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s)",
         result.label, result.predicted_bytes, result.baseline_bytes, result.budget_bytes, peak,
-        result.describe_point(point), result.estimated_ms, "met" if result.met else "NOT met",
+        result.describe_point(point), result.estimated_ms, "met" if result.met else "NOT met", result.preference,
     )
     if not result.met:
         in_use = sorted(

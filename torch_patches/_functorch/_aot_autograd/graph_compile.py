@@ -45,6 +45,7 @@ from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
     graph_surgery,
     hook_tracing,
+    saved_numerics,
     utils as hook_utils,
 )
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
@@ -216,6 +217,12 @@ def maybe_inline_graph_saved_tensors_hooks(
     if found is not None:
         found.hooks_inlined = None
     ambient = _ambient_pair()
+    # What the numerics walk needs of the backward graph, for every SavedTensorInfo of this
+    # compilation (hooks/select.py reads it off the backward module while the inliner runs).
+    from torch_patches.hooks.select import BACKWARD_FACTS_META
+
+    held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
+    bw_module.meta[BACKWARD_FACTS_META] = (len(bw_module.graph.nodes), _backward_facts(fw_module, bw_module, held))
     try:
         _inline(
             fw_module,
@@ -225,6 +232,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             aot_config,
             static_input_indices,
             ambient,
+            held,
         )
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
@@ -247,8 +255,20 @@ def maybe_inline_graph_saved_tensors_hooks(
         _record_decision(inlined=False)
         mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
         return
+    finally:
+        bw_module.meta.pop(BACKWARD_FACTS_META, None)
     if ambient is not None:
         _record_decision(inlined=True)
+
+
+def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: set[fx.Node]) -> Any:
+    """The backward's gradient-dependent nodes, and which of its outputs are gradients of
+    inputs the caller keeps (parameters, leaves): AOTAutograd returns one gradient per
+    forward input, in order; when their numbers differ no position is trusted."""
+    placeholders = fw_module.graph.find_nodes(op="placeholder")
+    outs = bw_module.graph.output_node().args[0]
+    accumulated = frozenset(i for i, ph in enumerate(placeholders) if ph in held) if len(outs) == len(placeholders) else frozenset()
+    return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(bw_module.graph), accumulated)
 
 
 def _inline(
@@ -259,6 +279,7 @@ def _inline(
     aot_config: Any,
     static_input_indices: list[int],
     ambient: HookPair | None,
+    held: set[fx.Node],
 ) -> None:
     fw_g, bw_g = fw_module.graph, bw_module.graph
     fw_out = fw_g.output_node()
@@ -316,7 +337,6 @@ def _inline(
         hookable[saved] = pair
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.
-    held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
     hookable, recomputed = activation_budget.apply_plans(
         hookable, candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g, artifact, _describe_saved
     )
@@ -443,9 +463,10 @@ def _selected(saved: fx.Node, bw_input: fx.Node, pair: HookPair) -> tuple[HookPa
 
     A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
     tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
-    takes the pair's inner hooks (traced without the eager-mode branching).
+    takes the pair's inner hooks (traced without the eager-mode branching), a rejected one
+    the pair's ``otherwise`` hooks (which may select in turn), or none.
     """
-    from torch_patches.hooks.select import compiled_info, unwrap_select
+    from torch_patches.hooks.select import compiled_info, select_otherwise, unwrap_select
 
     sel = unwrap_select((pair.pack, pair.unpack))
     if sel is None:
@@ -463,12 +484,14 @@ def _selected(saved: fx.Node, bw_input: fx.Node, pair: HookPair) -> tuple[HookPa
             pair=pair,
             saved=saved,
         ) from e
-    if not accepted:
-        consumers = ", ".join(info.backward_consumers or ()) or "none"
-        return pair, (
-            f"not selected by where={hook_utils.hook_name(where)} "
-            f"(backward consumers: {consumers})"
-        )
-    return HookPair(pack, unpack, pair.label), None
-
-
+    if accepted:
+        return _selected(saved, bw_input, HookPair(pack, unpack, pair.label))
+    otherwise = select_otherwise((pair.pack, pair.unpack))
+    if otherwise is not None:
+        return _selected(saved, bw_input, HookPair(otherwise[0], otherwise[1], pair.label))
+    consumers = ", ".join(info.backward_consumers or ()) or "none"
+    numerics = f"tolerates {info.tolerance}" + (f": {info.why}" if info.why else "")
+    return pair, (
+        f"not selected by where={hook_utils.hook_name(where)} "
+        f"({numerics}; backward consumers: {consumers})"
+    )

@@ -10,6 +10,8 @@ key hooks by *content*, so an identical hook recreated every step is the same ho
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +101,9 @@ def hook_name(fn: Any) -> str:
     """A human name for a hook, for errors and logs."""
     if isinstance(fn, torch.fx.GraphModule):
         return f"GraphModule {type(fn).__name__!r}"
+    if isinstance(fn, functools.partial):
+        bound = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
+        return f"{hook_name(fn.func)}({', '.join(bound)})"
     fn = getattr(fn, "__func__", fn)
     module = getattr(fn, "__module__", None) or "?"
     qual = getattr(fn, "__qualname__", None) or type(fn).__name__

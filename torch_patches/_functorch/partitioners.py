@@ -1,0 +1,109 @@
+"""Exact recomputation first under an activation-memory budget.
+
+Upstream counterpart: ``choose_saved_values_set`` in ``torch/_functorch/partitioners.py``,
+which picks the forward values the min-cut partitioner saves for the backward.  Under
+``torch._functorch.config.activation_memory_budget = F`` it first tries its *more
+aggressive* min-cut (the default one without its bans on recomputing long fusible chains,
+values used far apart and materialised backward values) and returns it when that already
+saves at most ``F`` of the default's activation bytes; only then does it run its knapsack,
+which may recompute expensive ops.
+
+The budget planner (``torch_patches.hooks.budget(F)``, ``config.activation_memory_budget``)
+prefers exact options to lossy ones.  The partitioner's cheap recomputation is the first
+exact option: under an ambient budget pair with a fraction ``F`` (and torch's own budget
+unset), this patch asks the partitioner for its solution just under a budget of 1 (the more
+aggressive min-cut, when that saves anything), and takes it when it saves at most ``F`` of
+the default's activation bytes.  The compilation's facts then carry the ratio it reached,
+so that the inliner's plan measures the budget against the default partition's bytes and
+finds it met, exactly.  Otherwise the default partition is kept and the plan chooses per
+saved tensor as before (the knapsack's expensive recomputation is never taken here).  Budget
+pairs entered inside a compiled region plan their own scope and leave the partition alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_patches import _compile_facts, _logging as tp_logging
+
+
+UPSTREAM_MODULE = "torch._functorch.partitioners"
+
+#: The budget at which the partitioner is asked for its cheap recomputation: below 1, so that
+#: it tries its more aggressive min-cut, and so close to 1 that its knapsack, if it runs at
+#: all, needs to recompute next to nothing.
+CHEAP_RECOMPUTE_BUDGET = 0.999
+
+
+def ambient_budget_fraction() -> float | None:
+    """The fraction of an ambient budget pair (or ``config.activation_memory_budget``) that
+    plans this compilation's whole graph, else None (no budget, a budget in bytes, or
+    in-region scopes, which plan parts of the graph; or
+    ``config.activation_budget_partitioner_recompute`` is off)."""
+    from torch_patches import config
+    from torch_patches._functorch._aot_autograd.utils import ambient_saved_tensors_hooks
+    from torch_patches.hooks.budget import unwrap_budget
+
+    if not config.activation_budget_partitioner_recompute:
+        return None
+    hooks = ambient_saved_tensors_hooks()
+    spec = unwrap_budget(hooks) if hooks is not None else None
+    if spec is None or not isinstance(spec.memory, float) or spec.memory >= 1.0:
+        return None
+    found = _compile_facts.facts()
+    if found is None or found.scopes:
+        return None
+    return spec.memory
+
+
+def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
+    """Bytes of the saved ``values`` that are not graph inputs (parameters, the batch)."""
+    skip = set(inputs)
+    total = 0
+    for node in values:
+        val = node.meta.get("val") if node not in skip else None
+        if isinstance(val, torch.Tensor):
+            total += _hint(val.numel()) * val.element_size()
+    return total
+
+
+def _hint(n: Any) -> int:
+    from torch_patches.hooks.select import _size_hint
+
+    return _size_hint(n)
+
+
+def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``choose_saved_values_set``: under a budget pair, the partitioner's cheap exact
+    recomputation when it meets the budget (module docstring)."""
+
+    @functools.wraps(original)
+    def choose_saved_values_set(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> list[Any]:
+        fraction = ambient_budget_fraction() if memory_budget == 1 else None
+        if fraction is None:
+            return original(joint_graph, node_info, memory_budget=memory_budget)
+        default = original(joint_graph, node_info, memory_budget=1)
+        cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
+        full = _activation_bytes(default, node_info.inputs)
+        ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
+        artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+        if ratio > fraction:
+            artifact.debug(
+                "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
+                "the plan starts from the default partition", fraction, ratio,
+            )
+            return default
+        artifact.debug(
+            "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
+            "activation bytes", fraction, ratio,
+        )
+        found = _compile_facts.facts()
+        if found is not None:
+            found.partition_budget_ratio = ratio
+        return cheap
+
+    return choose_saved_values_set

@@ -1,0 +1,562 @@
+"""Convergence benchmark: does a memory saving train the same model?
+
+``python -m torch_patches bench --train`` trains small language models (Hugging Face Llama
+and GPT-2 built from configs: random init, no download) as byte-level models (vocabulary
+256) on real English text that Python itself ships (the documentation topics of
+``pydoc_data``), with AdamW, a linear warm-up and a cosine decay, for each *row* (no hooks,
+a ready-made hook, a budget, stock ``activation_memory_budget``...) and each seed.  A seed
+fixes the initial weights and the sequence of training batches, so the rows of one seed
+differ only in how the saved tensors are stored.  Eval loss is measured on held-out text
+(the last tenth of the corpus, never trained on) with the plain model, without hooks.
+
+The table reports, per model and row: the final train loss (mean of the last tenth of the
+steps), the eval loss, and its change against the compiled run without hooks of the same
+seed, as a mean over seeds with the spread (min and max); the peak memory of one step and
+the median step time, as ratios against the same reference.  One run's final loss moves by
+about 1.5% under any bf16-sized perturbation of its arithmetic, so compare means over
+seeds.  With matplotlib installed (``pip install -e ".[bench]"``) the loss curves are
+written as a PNG.
+
+Each row runs in a subprocess of its own (its own compile cache, torch_patches applied or
+not), compiling once for all its seeds: the model object is reused and re-initialised.
+
+Rows (``--rows``, comma separated):
+  eager            no hooks, not compiled
+  compiled         no hooks, ``torch.compile`` (the reference of every ratio)
+  NAME             a ready-made hook of ``torch_patches.hooks`` (``bf16``, ``fp8_rowwise``,
+                   ``int8_rowwise``), compiled, inlined by torch_patches
+  NAME:all         the same hook without its numerics allowlist (``where=None``)
+  NAME(k=v,...)    the hook with these arguments (``fp8_rowwise(block_size=32)``;
+                   ``otherwise=bf16`` names another hook, ``dtype=torch.float8_e5m2`` a
+                   torch attribute)
+  eager+NAME       the hook as eager hooks on the uncompiled model
+  budget:F         ``torch_patches.hooks.budget(F)``, compiled
+  amb:F            stock ``torch._functorch.config.activation_memory_budget = F``, compiled,
+                   torch_patches not applied
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+
+#: The rows of a default run.
+DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
+#: The ready-made hooks a row may name.
+HOOKS = ("bf16", "fp8_rowwise", "int8_rowwise")
+VOCAB = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run's shape: the model, its size, the data and the schedule."""
+
+    model: str = "llama"
+    layers: int = 2
+    dim: int = 128
+    heads: int = 4
+    seq: int = 128
+    batch: int = 4
+    steps: int = 150
+    lr: float = 2e-3
+    warmup: float = 0.1  # fraction of the steps
+    final_lr: float = 0.1  # fraction of lr at the end of the cosine
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    backend: str = "aot_eager"
+    device: str = "cpu"
+    eval_every: int = 50
+    eval_batches: int = 8
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}: choose from {sorted(MODELS)}")
+        if self.steps < 1 or self.batch < 1 or self.seq < 2:
+            raise ValueError("steps and batch must be >= 1, seq >= 2")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def corpus() -> bytes:
+    """Real English text shipped with Python: the documentation topics of ``pydoc_data``
+    (about 460 KB), or, where a distribution leaves that out, the docstrings of the
+    standard library's modules."""
+    try:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    except ImportError:  # pragma: no cover - a Python without pydoc_data
+        import importlib
+        import pkgutil
+
+        parts = []
+        for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
+            if info.name.startswith("_") or "test" in info.name:
+                continue
+            with contextlib.suppress(Exception):
+                doc = importlib.import_module(info.name).__doc__
+                if doc:
+                    parts.append(doc)
+        text = "\n\n".join(parts)
+    return text.encode("utf-8")
+
+
+def splits() -> tuple[Any, Any]:
+    """``(train, eval)`` byte tensors: the last tenth of the corpus is held out."""
+    import torch
+
+    data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
+    cut = len(data) * 9 // 10
+    return data[:cut], data[cut:]
+
+
+def train_batches(data: Any, cfg: TrainConfig, seed: int) -> Any:
+    """The seed's training batches: ``(steps, batch, seq)`` windows at random offsets."""
+    import torch
+
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    starts = torch.randint(0, len(data) - cfg.seq, (cfg.steps, cfg.batch), generator=gen)
+    return data[starts[..., None] + torch.arange(cfg.seq)]
+
+
+def eval_batches(data: Any, cfg: TrainConfig) -> Any:
+    """Fixed held-out batches (the same for every row and seed), evenly spaced."""
+    import torch
+
+    n = cfg.eval_batches * cfg.batch
+    starts = torch.linspace(0, len(data) - cfg.seq - 1, n).long()
+    return data[starts[:, None] + torch.arange(cfg.seq)].view(cfg.eval_batches, cfg.batch, cfg.seq)
+
+
+# ------------------------------------------------------------------------- models
+
+
+def _llama(cfg: TrainConfig) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.dim, intermediate_size=_mlp_dim(cfg.dim),
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+        max_position_embeddings=cfg.seq, attn_implementation="sdpa", tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2(cfg: TrainConfig) -> Any:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=cfg.dim, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _mlp_dim(dim: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, a multiple of 32."""
+    return max(32, (8 * dim // 3 + 31) // 32 * 32)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def build(cfg: TrainConfig) -> Any:
+    """The model of ``cfg``: a module mapping token ids to the mean next-token loss."""
+    import torch
+
+    try:
+        lm = MODELS[cfg.model](cfg)
+    except ImportError as e:
+        raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
+
+    class CausalLMLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: Any) -> Any:
+            return self.lm(input_ids=ids, labels=ids).loss
+
+    return CausalLMLoss()
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """How one row stores its saved tensors (parsed from its name, see the module)."""
+
+    name: str
+    compiled: bool
+    hook: str | None = None  # a torch_patches.hooks factory
+    kwargs: tuple[tuple[str, Any], ...] = ()  # its arguments
+    where_all: bool = False  # the hook with where=None
+    budget: float | None = None  # torch_patches.hooks.budget(F)
+    amb: float | None = None  # stock activation_memory_budget
+
+    @property
+    def applies_patches(self) -> bool:
+        return self.compiled and self.amb is None
+
+    @staticmethod
+    def parse(name: str) -> "Row":
+        if name in ("eager", "compiled"):
+            return Row(name, compiled=name == "compiled")
+        if name.startswith(("budget:", "amb:")):
+            kind, _, value = name.partition(":")
+            fraction = float(value)
+            if not 0 < fraction <= 1:
+                raise ValueError(f"row {name!r}: a budget is a fraction in (0, 1]")
+            return Row(name, compiled=True, **{kind: fraction})
+        import re
+
+        match = re.fullmatch(r"(eager\+)?(\w+)(?:\((.*)\))?(:all)?", name)
+        if match is None or match.group(2) not in HOOKS:
+            raise ValueError(f"unknown row {name!r} (module docstring of torch_patches.convergence)")
+        kwargs = []
+        for item in filter(None, (match.group(3) or "").split(",")):
+            key, _, value = item.partition("=")
+            kwargs.append((key.strip(), _argument(value.strip())))
+        return Row(name, compiled=match.group(1) is None, hook=match.group(2), kwargs=tuple(kwargs),
+                   where_all=match.group(4) is not None)
+
+    def hooks(self) -> tuple[Any, Any] | None:
+        import torch
+
+        import torch_patches.hooks as library
+
+        if self.budget is not None:
+            return library.budget(self.budget)
+        if self.hook is None:
+            return None
+        def value(v: Any) -> Any:
+            if isinstance(v, str) and v in HOOKS:
+                return getattr(library, v)()
+            if isinstance(v, str) and v.startswith("torch."):
+                return getattr(torch, v.removeprefix("torch."))
+            return v
+
+        kwargs = {k: value(v) for k, v in self.kwargs}
+        if self.where_all:
+            kwargs["where"] = None
+        return getattr(library, self.hook)(**kwargs)
+
+
+def _argument(text: str) -> Any:
+    """A row argument: a hook name, ``torch.<attribute>`` (a dtype), or a Python literal."""
+    import ast
+
+    if text in HOOKS or (text.startswith("torch.") and text.removeprefix("torch.").isidentifier()):
+        return text
+    return ast.literal_eval(text)
+
+
+# ------------------------------------------------------------------------ training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup`` of the steps, then a cosine to ``final_lr * lr``."""
+    warm = max(1, round(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.final_lr + (1 - cfg.final_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train ``row`` for every seed in this process (torch_patches applied as the row asks);
+    returns losses, eval curve, peak bytes of one step and step times per seed."""
+    import torch
+    import torch._functorch.config as functorch_config
+
+    import torch_patches
+    from torch_patches.testing import peak_bytes
+
+    if row.applies_patches:
+        torch_patches.apply()
+    else:
+        torch_patches.unapply()
+    train, held_out = splits()
+    evals = eval_batches(held_out, cfg)
+    train, evals = train.to(cfg.device), evals.to(cfg.device)
+    torch.manual_seed(0)
+    model = build(cfg).to(cfg.device)
+    hooks = row.hooks()
+    configs = contextlib.ExitStack()
+    if allowlist:
+        configs.enter_context(torch_patches.config.patch(numerics_allowlist=allowlist))
+    if row.amb is not None:
+        configs.enter_context(functorch_config.patch(activation_memory_budget=row.amb))
+    fn = torch.compile(model, backend=cfg.backend) if row.compiled else model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward(ids: Any) -> Any:
+        ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        with ctx:
+            return fn(ids)
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return statistics.fmean(model(ids).item() for ids in evals)
+
+    out: dict[str, Any] = {"row": row.name, "seeds": {}, "warnings": []}
+    with configs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in seeds:
+            torch.manual_seed(seed)
+            fresh = build(cfg)
+            model.load_state_dict(fresh.state_dict())
+            del fresh
+            batches = train_batches(train, cfg, seed)
+            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            losses, times, curve = [], [], [(0, eval_loss())]
+            peak = None
+            for step in range(cfg.steps):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                ids = batches[step]
+                if step == 2 and peak is None:  # warm (compiled), measured apart from the timing
+                    peak = peak_bytes(lambda: forward(ids).backward(), cfg.device)
+                    opt.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                loss = forward(ids)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - start)
+                losses.append(loss.item())
+                if not math.isfinite(losses[-1]):
+                    break
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                    curve.append((step + 1, eval_loss()))
+            out["seeds"][str(seed)] = {
+                "train": losses,
+                "eval": curve,
+                "peak_bytes": peak,
+                "step_ms": 1000 * statistics.median(times[3:] or times),
+            }
+    out["warnings"] = sorted({str(w.message) for w in caught if "torch_patches" in str(w.message)})
+    return out
+
+
+def run_in_subprocess(
+    cfg: TrainConfig, row: str, seeds: list[int], allowlist: dict[str, Any] | None = None, timeout: float = 7200
+) -> dict[str, Any]:
+    env = dict(os.environ)
+    payload = json.dumps({"cfg": dataclasses.asdict(cfg), "row": row, "seeds": seeds, "allowlist": allowlist})
+    with tempfile.TemporaryDirectory(prefix="torch_patches_train_") as cache_dir:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # every row compiles with its own cache
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_patches.convergence", "--worker", payload],
+            capture_output=True, text=True, env=env, timeout=timeout,
+        )
+    if proc.returncode != 0:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
+        return {"row": row, "error": " | ".join(tail)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------ summary
+
+
+def final_train(losses: list[float]) -> float:
+    """The mean of the last tenth of the steps' losses."""
+    tail = losses[-max(1, len(losses) // 10) :]
+    return statistics.fmean(tail)
+
+
+def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> list[dict[str, Any]]:
+    """Per row: means over seeds, and the eval-loss change against ``reference`` of the
+    same seed (mean, min, max), peak and step time as ratios of the reference's."""
+    ref = next((r for r in results if r["row"] == reference and "seeds" in r), None)
+    rows = []
+    for r in results:
+        if "seeds" not in r:
+            rows.append({"row": r["row"], "error": r.get("error", "no result")})
+            continue
+        seeds = r["seeds"]
+        evals = {s: v["eval"][-1][1] for s, v in seeds.items()}
+        entry: dict[str, Any] = {
+            "row": r["row"],
+            "seeds": len(seeds),
+            "train": statistics.fmean(final_train(v["train"]) for v in seeds.values()),
+            "eval": statistics.fmean(evals.values()),
+            "peak_bytes": statistics.fmean(v["peak_bytes"] for v in seeds.values() if v["peak_bytes"]),
+            "step_ms": statistics.fmean(v["step_ms"] for v in seeds.values()),
+            "warnings": r.get("warnings", []),
+        }
+        if ref is not None:
+            common = [s for s in evals if s in ref["seeds"]]
+            changes = [evals[s] / ref["seeds"][s]["eval"][-1][1] - 1 for s in common]
+            if changes:
+                entry["change"] = (statistics.fmean(changes), min(changes), max(changes))
+            ref_peak = statistics.fmean(v["peak_bytes"] for v in ref["seeds"].values() if v["peak_bytes"])
+            ref_ms = statistics.fmean(v["step_ms"] for v in ref["seeds"].values())
+            entry["peak_x"] = entry["peak_bytes"] / ref_peak
+            entry["time_x"] = entry["step_ms"] / ref_ms
+        rows.append(entry)
+    return rows
+
+
+def format_table(cfg: TrainConfig, rows: list[dict[str, Any]]) -> str:
+    head = (f"| {cfg.model} | train loss | eval loss | eval vs compiled (mean [min, max]) "
+            f"| peak MiB | peak x | step ms | time x |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | |")
+            continue
+        change = r.get("change")
+        text = "-" if change is None else f"{100 * change[0]:+.2f}% [{100 * change[1]:+.1f}, {100 * change[2]:+.1f}]"
+        lines.append(
+            f"| {r['row']} | {r['train']:.3f} | {r['eval']:.3f} | {text} | {r['peak_bytes'] / 2**20:.1f} "
+            f"| {r.get('peak_x', float('nan')):.2f} | {r['step_ms']:.0f} | {r.get('time_x', float('nan')):.2f} |"
+        )
+        notes.extend(f"{r['row']}: {w}" for w in r["warnings"])
+    return "\n".join(lines + [f"  warning, {n}" for n in notes])
+
+
+def plot(configs: list[TrainConfig], results: list[list[dict[str, Any]]], path: str) -> bool:
+    """Loss curves (train, smoothed; eval), mean over seeds, one column per model. False
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, len(configs), figsize=(6.5 * len(configs), 8), squeeze=False)
+    for col, (cfg, rows) in enumerate(zip(configs, results)):
+        for r in rows:
+            if "seeds" not in r:
+                continue
+            runs = list(r["seeds"].values())
+            n = min(len(v["train"]) for v in runs)
+            train = [statistics.fmean(v["train"][i] for v in runs) for i in range(n)]
+            axes[0][col].plot(range(1, n + 1), _smooth(train), label=r["row"], linewidth=1)
+            points = min(len(v["eval"]) for v in runs)
+            xs = [runs[0]["eval"][i][0] for i in range(points)]
+            ys = [statistics.fmean(v["eval"][i][1] for v in runs) for i in range(points)]
+            axes[1][col].plot(xs, ys, marker="o", markersize=3, label=r["row"], linewidth=1)
+        for row, what in enumerate(("train loss (smoothed)", "eval loss (held-out text)")):
+            ax = axes[row][col]
+            ax.set_title(f"{cfg.model}: {what}, mean of {len(rows[0].get('seeds', {}))} seeds")
+            ax.set_xlabel("step")
+            ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _smooth(values: list[float], alpha: float = 0.05) -> list[float]:
+    out, acc = [], values[0]
+    for v in values:
+        acc = alpha * v + (1 - alpha) * acc
+        out.append(acc)
+    return out
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def split_rows(text: str) -> list[str]:
+    """``--rows`` split at the commas outside parentheses."""
+    rows, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            rows.append(current)
+            current = ""
+        else:
+            current += ch
+    return [r.strip() for r in [*rows, current] if r.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_patches bench --train", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="llama,gpt2")
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma list (see the module docstring)")
+    parser.add_argument("--seeds", default="0,1,2")
+    defaults = TrainConfig()
+    for field in dataclasses.fields(TrainConfig):
+        if field.name != "model":
+            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
+                                default=getattr(defaults, field.name))
+    parser.add_argument(
+        "--allowlist", type=json.loads, default=None,
+        help='entries over the numerics allowlist (JSON, as torch_patches.config.numerics_allowlist)',
+    )
+    parser.add_argument("--json", default="bench-results/train.json")
+    parser.add_argument("--png", default="bench-results/train.png")
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        job = json.loads(args.worker)
+        print(json.dumps(run_row(TrainConfig(**job["cfg"]), Row.parse(job["row"]), job["seeds"], job.get("allowlist"))))
+        return 0
+
+    import torch
+
+    rows = split_rows(args.rows)
+    for r in rows:
+        Row.parse(r)  # bad names fail before anything runs
+    if "compiled" not in rows:
+        rows.insert(0, "compiled")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    configs = [TrainConfig(model=m, **sizes) for m in args.models.split(",") if m]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; seeds {seeds}; "
+          f"{sizes['steps']} steps of {sizes['batch']} x {sizes['seq']} bytes; backend {sizes['backend']}",
+          flush=True)
+    all_results = []
+    for cfg in configs:
+        results = []
+        for row in rows:
+            start = time.time()
+            results.append(run_in_subprocess(cfg, row, seeds, args.allowlist))
+            print(f"  {cfg.model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+        all_results.append(results)
+        print(f"\n{cfg.model}: {cfg.layers} layers, hidden {cfg.dim}, {cfg.heads} heads")
+        print(format_table(cfg, summarize(results)), flush=True)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"torch": torch.__version__, "seeds": seeds,
+                   "configs": [dataclasses.asdict(c) for c in configs], "results": all_results}, f)
+    print(f"\nresults written to {args.json}")
+    if plot(configs, all_results, args.png):
+        print(f"loss curves written to {args.png}")
+    else:
+        print("no loss curves: matplotlib is not installed (pip install -e \".[bench]\")")
+    failed = any("error" in r for results in all_results for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
