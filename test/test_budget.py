@@ -17,8 +17,6 @@ budget at the least estimated time. What is checked here:
 """
 
 import contextlib
-import logging
-import re
 import types
 import warnings
 
@@ -28,41 +26,54 @@ import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torch_patches import _logging as tp_logging, config as tp_config
+from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd import activation_budget as ab
 from torch_patches.bench import Case, block_working_set, blocks_of, build_model, example_input, saved_bytes
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
-from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, hook_nodes, instantiate_device_type_tests, peak_bytes
+from torch_patches.testing import (
+    AotEagerAndRecordGraphs,
+    TestCase,
+    hook_nodes,
+    instantiate_device_type_tests,
+    peak_bytes,
+    saved_tensor_records,
+)
 
 
-_SUMMARY = re.compile(r"budget plan \(([^)]*)\): (\d+) B planned of (\d+) B saved, budget (\d+) B")
-_PEAK = re.compile(r"budget plan \(([^)]*)\): \d+ B planned .*; peak (\d+) B at ")
-_CHOICE = re.compile(r"budget plan \(([^)]*)\): saved (\w+) .*-> ([\w+]+), (\d+) B on device")
+class PlanRecords:
+    """The budget plans of the graphs compiled while it records
+    (``torch_patches.testing.saved_tensor_records``)."""
 
+    def __init__(self, compiled):
+        self.compiled = compiled
 
-class PlanLog(logging.Handler):
-    """The plan lines of the ``torch_patches`` artifact while compiling."""
+    def clear(self):
+        self.compiled.clear()
 
-    def __init__(self, prefix="budget plan"):
-        super().__init__(logging.DEBUG)
-        self.prefix = prefix
-        self.lines = []
+    @property
+    def plans(self):
+        return [p for c in self.compiled for p in c.plans]
 
-    def emit(self, record):
-        msg = record.getMessage()
-        if msg.startswith(self.prefix):
-            self.lines.append(msg)
+    def records(self):
+        return [r for c in self.compiled for r in c.records]
 
     def summaries(self):
-        return [tuple(int(g) for g in m.groups()[1:]) for m in map(_SUMMARY.match, self.lines) if m]
+        """(planned, saved without hooks, budget) bytes per plan."""
+        return [(p.planned_bytes, p.baseline_bytes, p.budget_bytes) for p in self.plans]
 
     def peaks(self):
         """The plans' predicted peaks: the most saved bytes held at any point of the backward."""
-        return [int(m.group(2)) for m in map(_PEAK.match, self.lines) if m]
+        return [p.peak_bytes for p in self.plans]
 
     def choices(self):
-        return {m.group(2): m.group(3) for m in map(_CHOICE.match, self.lines) if m}
+        """Option per planned storage, by the first saved tensor reading it."""
+        return {name: option for p in self.plans for name, option in p.options().items()}
+
+    def units_of_shape(self, shape):
+        """The planned storages whose first saved tensor has ``shape``."""
+        names = {r.name for r in self.records() if r.shape == tuple(shape)}
+        return [u for p in self.plans for u in p.units if u.saved[0] in names]
 
 
 class BudgetTestCase(TestCase):
@@ -80,17 +91,9 @@ class BudgetTestCase(TestCase):
         knob = tp_config.patch(activation_budget_partitioner_recompute=self.partitioner_recompute)
         knob.__enter__()
         self.addCleanup(knob.__exit__, None, None, None)
-        self.plan_log = PlanLog()
-        logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
-        level = logger.level
-        logger.addHandler(self.plan_log)
-        logger.setLevel(logging.DEBUG)
-
-        def restore():
-            logger.removeHandler(self.plan_log)
-            logger.setLevel(level)
-
-        self.addCleanup(restore)
+        recording = saved_tensor_records()
+        self.plan_log = PlanRecords(recording.__enter__())
+        self.addCleanup(recording.__exit__, None, None, None)
 
 
 def _opt(name, nbytes, ms):
@@ -364,14 +367,14 @@ class GraphModule(torch.nn.Module):
         w = torch.randn(8, 32, device=device, requires_grad=True)
         for backend in ("aot_eager", "inductor"):
             torch._dynamo.reset()
-            self.plan_log.lines.clear()
+            self.plan_log.clear()
             with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
                 *budget(0.5, options=("recompute",))
             ):
                 warnings.simplefilter("always")
                 torch.compile(head, backend=backend, fullgraph=True)(x, w).backward()
-            logits = [l for l in self.plan_log.lines if "float32[16, 32]" in l]
-            self.assertTrue(logits and all("-> keep" in l for l in logits), self.plan_log.lines)
+            logits = self.plan_log.units_of_shape([16, 32])
+            self.assertTrue(logits and all(u.option == "keep" for u in logits), self.plan_log.plans)
             warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
             self.assertEqual(len(warned), 1, warned)
             self.assertIn("in use there at full size", warned[0])
@@ -472,7 +475,7 @@ class GraphModule(torch.nn.Module):
 
         def choices(memory, options, margin):
             torch._dynamo.reset()
-            self.plan_log.lines.clear()
+            self.plan_log.clear()
             with tp_config.patch(
                 activation_budget_lossy_margin=margin,
                 activation_budget_memory_bandwidth=20.0,
@@ -481,14 +484,14 @@ class GraphModule(torch.nn.Module):
             ):
                 with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=options)):
                     torch.compile(f, backend="aot_eager")(x, w).backward()
-            return set(self.plan_log.choices().values()), self.plan_log.lines[-1]
+            return set(self.plan_log.choices().values()), self.plan_log.plans[-1].preference
 
         got, line = choices(0.7, ("int8", "recompute"), 10.0)
         self.assertIn("recompute", got)
-        self.assertIn("(least lossy)", line)
+        self.assertEqual("least lossy", line)
         got, line = choices(0.7, ("int8", "recompute"), 0.0)
         self.assertEqual(got, {"keep", "int8"})
-        self.assertRegex(line, r"\(fastest: the least lossy plan is slower by [\d.]+ ms > margin 0\.000 ms\)")
+        self.assertRegex(line, r"^fastest: the least lossy plan is slower by [\d.]+ ms > margin 0\.000 ms$")
         # A large product: int8 saves a byte for less time than bf16 (the fastest plan's pick);
         # bf16 alone meets 0.8, so the least lossy plan stores it in bf16.
         x = torch.randn(1024, 64, device=device, requires_grad=True)
@@ -541,25 +544,20 @@ class TestPartitionerFirst(BudgetTestCase):
         saved = len(rec.fw_graphs[0].graph.output_node().args[0])
         return saved, rec, [a.grad for a in args]
 
-    def partition_lines(self):
-        return [line for line in self.partition_log.lines if line.startswith("budget ")]
-
-    def setUp(self):
-        super().setUp()
-        self.partition_log = PlanLog(prefix="budget ")
-        logger = tp_logging.artifact_logger("torch._functorch.partitioners")
-        level = logger.level
-        logger.addHandler(self.partition_log)
-        logger.setLevel(logging.DEBUG)
-        self.addCleanup(lambda: (logger.removeHandler(self.partition_log), logger.setLevel(level)))
+    def partitioner(self):
+        """(ratio, met) of the last plan: what the partitioner's cheap recomputation saves."""
+        plan = self.plan_log.plans[-1]
+        return plan.partitioner_ratio, plan.partitioner_met
 
     def test_loose_budget_met_by_the_partitioners_recompute(self, device):
         args = self.inputs(device)
         _, _, ref = self.compile_step(args)
         stock_saved, _, _ = self.compile_step(args, activation_memory_budget=0.9)
         saved, rec, got = self.compile_step(args, budget(0.9))
-        self.assertRegex(self.partition_lines()[-1], r"budget 0\.9 met by the partitioner's cheap recomputation \(exact\): it saves 0\.\d+")
-        self.assertIn("met by the partitioner's recomputation", self.plan_log.lines[-1])
+        ratio, met = self.partitioner()
+        self.assertTrue(met)
+        self.assertLessEqual(ratio, 0.9)
+        self.assertIn("met by the partitioner's recomputation", self.plan_log.plans[-1].preference)
         self.assertEqual(hook_nodes(rec.fw_graphs[0]), {})  # nothing compressed
         self.assertEqual(saved, stock_saved)  # torch's own choice at 0.9
         self.assertGradsEqual(got, ref, exact=True)
@@ -567,9 +565,11 @@ class TestPartitionerFirst(BudgetTestCase):
     def test_tight_budget_plans_from_the_default_partition(self, device):
         args = self.inputs(device)
         default_saved, _, _ = self.compile_step(args)
-        self.plan_log.lines.clear()
+        self.plan_log.clear()
         self.compile_step(args, budget(0.5))
-        self.assertIn("the plan starts from the default partition", self.partition_lines()[-1])
+        ratio, met = self.partitioner()
+        self.assertFalse(met)
+        self.assertGreater(ratio, 0.5)
         (planned, baseline, limit), = self.plan_log.summaries()
         self.assertEqual(limit, int(0.5 * baseline))
         self.assertLess(planned, baseline)
@@ -578,7 +578,7 @@ class TestPartitionerFirst(BudgetTestCase):
         args = self.inputs(device)
         with tp_config.patch(activation_budget_partitioner_recompute=False):
             self.compile_step(args, budget(0.9))
-        self.assertEqual(self.partition_lines(), [])
+        self.assertEqual(self.partitioner(), (None, None))
         pair = budget(0.9)
 
         def region(x, w1, w2, ln_w):
@@ -587,7 +587,7 @@ class TestPartitionerFirst(BudgetTestCase):
 
         torch._dynamo.reset()
         torch.compile(region, backend="aot_eager")(*[a.detach().clone().requires_grad_() for a in args]).backward()
-        self.assertEqual(self.partition_lines(), [])
+        self.assertEqual(self.partitioner(), (None, None))
 
 
 instantiate_device_type_tests(TestPartitionerFirst, globals())
@@ -624,12 +624,10 @@ class TestBudgetSpec(TestCase):
         self.assertIsNot(budget(0.5)[0], budget(0.3)[0])
 
     def test_eager_use_keeps_tensors_and_warns_once(self):
-        import sys
+        from torch_patches import _hook_kinds
 
-        budget_module = sys.modules["torch_patches.hooks.budget"]  # the package's `budget` is the function
-
-        self.addCleanup(setattr, budget_module, "_warned_eager", budget_module._warned_eager)
-        budget_module._warned_eager = False
+        self.addCleanup(setattr, _hook_kinds, "_warned_eager_budget", _hook_kinds._warned_eager_budget)
+        _hook_kinds._warned_eager_budget = False
         x = torch.randn(4, 4, requires_grad=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -683,7 +681,7 @@ class TestBudgetOnModels(BudgetTestCase):
         for fraction in fractions:
             with self.subTest(fraction=fraction):
                 torch._dynamo.reset()
-                self.plan_log.lines.clear()
+                self.plan_log.clear()
                 fn = torch.compile(model, backend=backend)
                 hooks = budget(fraction)
                 with warnings.catch_warnings(record=True) as caught:
@@ -741,8 +739,8 @@ class TestBudgetOnModels(BudgetTestCase):
         # once where the backward starts: the plan keeps them.
         self.check_budgets("llama", device, (0.9, 0.7, 0.5, 0.3), backend="inductor", unreachable=(0.3, 0.5), **kw)
         if device == "cpu":  # the lines of 0.3
-            logits = [l for l in self.plan_log.lines if "float32[512, 4096]" in l]
-            self.assertTrue(logits and all("-> keep" in l for l in logits), logits)
+            logits = self.plan_log.units_of_shape([512, 4096])
+            self.assertTrue(logits and all(u.option == "keep" for u in logits), logits)
 
     def test_plan_is_applied_as_logged(self, device):
         # The same gradients as hand-written select pairs doing what the log says; the
@@ -753,7 +751,7 @@ class TestBudgetOnModels(BudgetTestCase):
         # is the only option allowed.
         for hooks in (budget(0.4), budget(0.8, options=("recompute",))):
             torch._dynamo.reset()
-            self.plan_log.lines.clear()
+            self.plan_log.clear()
             _, got = _step(torch.compile(model, backend="aot_eager"), model, x, hooks)
             chosen = self.plan_log.choices()
             kinds |= set(chosen.values())
@@ -768,12 +766,11 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertLessEqual({"keep", "recompute"}, kinds)  # CPU: no offload
         self.assertTrue(kinds & {"bf16", "int8", "fp8"}, kinds)
         # And the plan is deterministic: a fresh compile logs the same plan.
-        first = list(self.plan_log.lines)
-        self.plan_log.lines.clear()
+        first = list(self.plan_log.plans)
+        self.plan_log.clear()
         torch._dynamo.reset()
         _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.8, options=("recompute",)))
-        self.assertEqual(self.plan_log.lines, first[: len(self.plan_log.lines)])
-        self.assertEqual(len(self.plan_log.lines), len([l for l in first if "budget plan" in l]))
+        self.assertEqual(self.plan_log.plans, first)
 
     def test_gradients_within_the_options_bounds(self, device):
         # fp8 e4m3 keeps each element within 2^-4 of its row's amax: the gradients move by
@@ -844,11 +841,11 @@ class TestBudgetOnModels(BudgetTestCase):
         compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
         compiled(x).sum().backward()
         (planned, baseline, limit), = self.plan_log.summaries()
-        self.assertTrue(self.plan_log.lines[-1].startswith("budget plan (saved_tensors_hooks_scope"))
+        self.assertTrue(self.plan_log.plans[-1].scope.startswith("saved_tensors_hooks_scope"))
         self.assertLessEqual(planned, limit)
         # Half the blocks: about half of what the whole model saves.
         torch._dynamo.reset()
-        self.plan_log.lines.clear()
+        self.plan_log.clear()
         _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.3))
         (_, whole, _), = self.plan_log.summaries()
         self.assertLess(abs(2 * baseline - whole), 0.1 * whole, (baseline, whole))
@@ -867,7 +864,8 @@ class TestBudgetOnModels(BudgetTestCase):
         with torch.autograd.graph.saved_tensors_hooks(*budget(0.75)):
             out = torch.compile(attention, backend="aot_eager")(x, w)
         (planned, baseline, limit), = self.plan_log.summaries()
-        self.assertTrue(any(re.search(r"and 2 more sharing its storage -> (int8|fp8)", line) for line in self.plan_log.lines), self.plan_log.lines)
+        shared = [u for u in self.plan_log.plans[0].units if len(u.saved) == 3]
+        self.assertEqual([u.option in ("int8", "fp8") for u in shared], [True], self.plan_log.plans)
         self.assertEqual(saved_bytes(out, [x, w]), planned)
         self.assertLessEqual(planned, limit)
 

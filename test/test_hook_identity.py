@@ -37,7 +37,7 @@ import identity_cfg
 import identity_deps as deps
 import torch_patches
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._hook_identity import hook_identity
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
@@ -130,7 +130,7 @@ class TestHookIdentity(IdentityTestCase):
         # (a) keyed by value: valid across processes; (b) process-local: keyed by identity.
         for name, kind in deps.KINDS.items():
             with self.subTest(kind=name):
-                digest, reasons = hook_utils.hooks_cache_key(*kind.hooks())
+                digest, reasons = hook_keys.hooks_cache_key(*kind.hooks())
                 if kind.outcome == "a":
                     self.assertIsNotNone(digest, reasons)
                 else:
@@ -183,8 +183,8 @@ class TestHookIdentity(IdentityTestCase):
 
     def test_config_is_part_of_the_key(self, device):
         hooks = deps.KINDS["module_attr"].hooks()
-        base = hook_utils.hooks_cache_key(*hooks)[0]
-        key = hook_utils.hooks_guard_key(hooks)
+        base = hook_keys.hooks_cache_key(*hooks)[0]
+        key = hook_keys.hooks_guard_key(hooks)
         for knob, value in (
             ("hook_placement", "boundary"),
             ("unpack_prefetch_distance", 1),
@@ -193,8 +193,8 @@ class TestHookIdentity(IdentityTestCase):
             ("validate_unpack", False),
         ):
             with self.subTest(knob=knob), tp_config.patch(**{knob: value}):
-                self.assertNotEqual(hook_utils.hooks_cache_key(*hooks)[0], base)
-                self.assertNotEqual(hook_utils.hooks_guard_key(hooks), key)
+                self.assertNotEqual(hook_keys.hooks_cache_key(*hooks)[0], base)
+                self.assertNotEqual(hook_keys.hooks_guard_key(hooks), key)
 
     def test_config_change_recompiles(self, device):
         counter = CompileCounterWithBackend("aot_eager")
@@ -253,7 +253,7 @@ class TestNotKeyable(IdentityTestCase):
                 return t / 2
 
         hooks = inlineable(deps.pack, unpack)
-        self.assertTrue(hook_utils.unkeyable_reasons(hooks))
+        self.assertTrue(hook_keys.unkeyable_reasons(hooks))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             grad = step(torch.compile(fn, backend="aot_eager"), hooks, device)
@@ -278,7 +278,7 @@ class TestNotKeyable(IdentityTestCase):
             lambda t: t / 2 * len(str(uuid.uuid4())),
             lambda t: t / 2 * len(os.urandom(4)),
         ):
-            reasons = hook_utils.unkeyable_reasons(inlineable(deps.pack, unpack))
+            reasons = hook_keys.unkeyable_reasons(inlineable(deps.pack, unpack))
             self.assertTrue(reasons, unpack)
             self.assertIn("changes at every call", reasons[0])
         with self.assertRaisesRegex(Exception, "changes at every call"):
@@ -307,7 +307,7 @@ class TestNotKeyable(IdentityTestCase):
         def unpack(t):
             return t / 2 * importlib.import_module("identity_imported").SCALE
 
-        reasons = hook_utils.unkeyable_reasons(inlineable(deps.pack, unpack))
+        reasons = hook_keys.unkeyable_reasons(inlineable(deps.pack, unpack))
         self.assertTrue(any("imports a module named at run time" in r for r in reasons), reasons)
 
     def test_print_is_reported_without_touching_streams(self, device):
@@ -316,7 +316,7 @@ class TestNotKeyable(IdentityTestCase):
             return t * 2
 
         hooks = inlineable(pack, deps.pack)
-        self.assertIn("side effects or runs dynamic code (calls print())", hook_utils.unkeyable_reasons(hooks)[0])
+        self.assertIn("side effects or runs dynamic code (calls print())", hook_keys.unkeyable_reasons(hooks)[0])
 
     def test_two_hooks_with_one_name_warn_once_each(self, device):
         def make(lock):

@@ -202,7 +202,7 @@ class TestOffloadOps(TestCase):
         )
 
     def test_factory_is_inlineable_and_stable(self, device: str) -> None:
-        from torch_patches._functorch._aot_autograd.utils import hooks_guard_key
+        from torch_patches._hook_identity import hooks_guard_key
 
         a, b = hooks.cpu_offload(), hooks.cpu_offload()
         self.assertTrue(all(hooks.is_inlineable(f) for f in a))

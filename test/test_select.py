@@ -145,20 +145,38 @@ class TestSelect(TestCase):
         with self.assertRaisesHookError("where= predicate .*where.* raised ValueError: no opinion"):
             grads(torch.compile(rope, backend="aot_eager", fullgraph=True), inputs(device), select(*bf16(where=None), where=where))
 
-    def test_log_names_producer_bytes_and_reason(self, device):
+    def test_records_name_producer_bytes_and_reason(self, device):
+        from torch_patches.testing import saved_tensor_records
+
+        with saved_tensor_records() as compiled:
+            grads(torch.compile(rope, backend="aot_eager", fullgraph=True), inputs(device), bf16())
+        (graph,) = compiled
+        angles = [r for r in graph.records if r.decided_by == "select" and not r.hooked]
+        self.assertTrue(angles, graph.records)
+        for r in angles:
+            self.assertEqual((r.dtype, r.shape, r.nbytes, r.tolerance), (torch.float32, (256, 64), 65536, "exact"))
+            self.assertIn(r.producer, ("aten.mul.Tensor", "aten.mm.default"))
+            self.assertTrue({"aten.cos.default[self]", "aten.sin.default[self]"} & set(r.readers), r.readers)
+            self.assertRegex(r.reason, r"^not selected by where=\S*numerics_safe\(storage='bf16'\)")
+        hooked = graph.by_decision("hooked")
+        self.assertTrue(hooked)
+        for r in hooked:
+            self.assertIn("bf16_pack", r.hooks)
+            self.assertEqual(r.packed_bytes, r.nbytes // 2)
+            self.assertIsNotNone(r.pack_after)
+            self.assertIsNotNone(r.unpack_before)
+
+    def test_debug_log_writes_the_records(self, device):
         from torch_patches import _logging as tp_logging
+        from torch_patches.testing import saved_tensor_records
 
         logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
-        with self.assertLogs(logger, level="DEBUG") as captured:
+        with self.assertLogs(logger, level="DEBUG") as captured, saved_tensor_records() as compiled:
             grads(torch.compile(rope, backend="aot_eager", fullgraph=True), inputs(device), bf16())
-        text = "\n".join(captured.output)
-        self.assertRegex(
-            text,
-            r"saved \w+ \(float32\[256, 64\] on \w+, 65536 B, from aten\.(mul\.Tensor|mm\.default)\) left unhooked: "
-            r"not selected by where=\S*numerics_safe\(storage='bf16'\) \(tolerates exact: read as aten\.(cos|sin)\.default\[self\] "
-            r"\(not on the numerics allowlist\); backward consumers: [^)]*aten\.(cos|sin)",
-        )
-        self.assertRegex(text, r"saved \w+ \(.* B, from .*\) hooked: pack=")
+        (graph,) = compiled
+        messages = [r.getMessage() for r in captured.records]
+        for r in graph.records:
+            self.assertIn(r.line(), messages)
 
 
 class TestNumericsSafe(TestCase):

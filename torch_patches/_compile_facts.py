@@ -34,6 +34,9 @@ class CompileFacts:
     #: partitioner's cheap recomputation saves, when it met the budget (set by the
     #: partitioner patch, read by the budget plan: the budget is a fraction of the default's).
     partition_budget_ratio: float | None = None
+    #: Under an ambient fractional budget, the fraction the partitioner's cheap recomputation
+    #: saves whether or not it met the budget (reported with the plan's summary).
+    partition_cheap_ratio: float | None = None
 
 
 _ATTR = "_torch_patches_compile_facts"

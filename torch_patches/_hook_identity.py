@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from torch_patches._hook_kinds import CACHE_HASH_ATTR, is_inlineable_hook, pair_is_inlineable
+
 
 # Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.
 _TENSOR_VALUE_NUMEL = 4096
@@ -479,7 +481,6 @@ class _Walker:
         )
 
     def graph_module(self, gm: torch.fx.GraphModule, depth: int) -> Any:
-        from torch_patches._functorch._aot_autograd.utils import leaf_cache_hash
 
         attrs = []
         for node in gm.graph.nodes:
@@ -706,3 +707,90 @@ def config_key() -> Any:
     from torch_patches import config
 
     return tuple(sorted((k, repr(v)) for k, v in config.get_config_copy().items()))
+
+
+def leaf_cache_hash(node: torch.fx.Node) -> str | None:
+    """The user_cache_hash of an opaque leaf call: node.meta's, else its function's."""
+    value = node.meta.get("user_cache_hash") or getattr(node.target, CACHE_HASH_ATTR, None)
+    return None if value is None else str(value)
+
+
+# ------------------------------------------------------------------- pair keys
+# The keys of a hook pair, built from the walk above: the Dynamo guard's
+# (hooks_guard_state), the compile caches' (hooks_cache_key), and the checks behind both.
+
+
+def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
+    """(digest, reasons): a digest of one hook valid across processes.
+
+    None, with the reasons, when part of the hook is keyed by identity (process-local) or
+    cannot be keyed at all: compile caches must then bypass, never guess.
+    """
+    ident = hook_identity(fn)
+    reasons = list(ident.local + ident.unkeyable)
+    return (None, reasons) if reasons else (ident.digest, [])
+
+
+def hooks_cache_key(pack: Any, unpack: Any) -> tuple[str | None, list[str]]:
+    """The compile-cache key of a hook pair with the torch_patches config: one function
+    for ambient hooks and in-region scopes alike. None (with reasons) where it is not
+    valid across processes."""
+    idents = (hook_identity(pack), hook_identity(unpack))
+    reasons = [r for i in idents for r in i.local + i.unkeyable]
+    if reasons:
+        return None, list(dict.fromkeys(reasons))
+    # Our own source is part of the key: an entry written by another torch_patches is never
+    # served (it may have inlined differently).
+    return digest((idents[0].key, idents[1].key, config_key(), own_source_digest())), []
+
+
+def unkeyable_reasons(hooks: Any) -> list[str]:
+    """Why a pair of inlineable hooks cannot be inlined soundly (empty: it can)."""
+    return list(dict.fromkeys(r for fn in hooks for r in hook_identity(fn).unkeyable))
+
+
+def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(key, pins): what the saved-tensors-hooks guard compares, and what it must keep alive.
+
+    The key is None without hooks and for hooks that run as Python hooks at runtime (not
+    inlineable, or not keyable): the compiled graph does not depend on them, so entering
+    or leaving such hooks does not recompile. For inlined hooks it is ("inline", pack key,
+    unpack key, config): every dependency of what the graphs compute. The pins are the
+    objects keyed by identity (large tensors): holding them keeps their ids unique.
+    """
+    if not hooks or not pair_is_inlineable(hooks):
+        return None, ()
+    pack, unpack = (hook_identity(fn) for fn in hooks)
+    if pack.unkeyable or unpack.unkeyable:
+        return None, ()
+    return ("inline", pack.key, unpack.key, config_key()), pack.pins + unpack.pins
+
+
+def hook_content_check(fn: Any) -> tuple[str, Any]:
+    """(digest, check) of one hook entered in a compiled region: ``check(value)`` holds
+    while ``value`` is an inlineable hook with every dependency of ``fn`` and the
+    torch_patches config is unchanged (a knob changes what the inliner does with the hook).
+    ``check.pins`` keeps the objects keyed by identity alive as long as the check."""
+    expected = hook_identity(fn)
+    expected_config = config_key()
+
+    def check(value: Any) -> bool:
+        return is_inlineable_hook(value) and hook_identity(value).same_as(expected) and config_key() == expected_config
+
+    check.pins = expected.pins  # type: ignore[attr-defined]
+    return expected.digest, check
+
+
+def describe_guard_key(key: Any) -> str:
+    """A short name for a guard key in guard listings: None, or the key's digest."""
+    return "None" if key is None else f"inline hooks {digest(key)}"
+
+
+def hooks_guard_key(hooks: Any) -> Any:
+    """The key of :func:`hooks_guard_state`."""
+    return hooks_guard_state(hooks)[0]
+
+
+def content_key(fn: Any) -> Any:
+    """The identity key of one hook (process-local; for purity checks)."""
+    return hook_identity(fn).key

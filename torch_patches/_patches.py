@@ -215,7 +215,7 @@ EFFECTS: tuple[Effect, ...] = (
     ),
     Effect(
         name="inductor.offload_lowering",
-        install=f"{_TP}hooks.offload:install_inductor_lowering",
+        install=f"{_TP}_inductor.lowering:install_inductor_lowering",
         summary="Inductor lowering of torch_patches::offload that frees, never reuses, the buffer it copies "
         "(importing torch_patches.hooks.offload registers the torch_patches custom ops)",
         area="offload",

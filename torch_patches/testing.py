@@ -84,6 +84,34 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
     return most
 
 
+@contextlib.contextmanager
+def saved_tensor_records() -> Iterator[list[Any]]:
+    """What the inliner decided for every graph it handles inside the block, as data.
+
+    Yields a list that fills, in compile order, with one
+    :class:`~torch_patches._functorch._aot_autograd.saved_tensor_records.CompiledSavedTensors`
+    per compiled forward/backward pair whose saved tensors had hooks: ``.records`` (one
+    ``SavedTensorRecord`` per saved tensor: producer, bytes, scope, backward readers and
+    tolerance, the decision, the phase that made it and why, the budget option, packed
+    bytes, where pack and unpack went), ``.plans`` (each budget plan's summary) and
+    ``.fallback`` (why the hooks fell back to eager hooks, if they did)::
+
+        with torch_patches.testing.saved_tensor_records() as compiled:
+            loss = compiled_model(x).sum()
+        last = compiled[-1]
+        print({r.name: r.decision for r in last.records})
+
+    Graphs served from a compile cache were not inlined in this process and report
+    nothing.  The same records are on the compiled forward graph module
+    (``gm.meta["torch_patches_saved_tensors"]``) and, one line each, on the debug log
+    (``TORCH_LOGS="torch_patches"``).
+    """
+    from torch_patches._functorch._aot_autograd import saved_tensor_records as records
+
+    with records.recording() as out:
+        yield out
+
+
 class TestCase(torch._dynamo.test_case.TestCase):
     """Dynamo-resetting test case that runs each test with torch_patches applied."""
 

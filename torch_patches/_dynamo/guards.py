@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
 def _current_state() -> tuple[Any, tuple[Any, ...]]:
-    return hook_utils.hooks_guard_state(hook_utils.ambient_saved_tensors_hooks())
+    return hook_keys.hooks_guard_state(hook_utils.ambient_saved_tensors_hooks())
 
 
 def _guard_code(expected: Any) -> list[str]:
-    return [f"torch_patches saved_tensors_hooks key == {hook_utils.describe_guard_key(expected)}"]
+    return [f"torch_patches saved_tensors_hooks key == {hook_keys.describe_guard_key(expected)}"]
 
 
 def AUTOGRAD_SAVED_TENSORS_HOOKS(self: Any, guard: Any) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
@@ -90,13 +91,13 @@ def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
             hook_utils.hook_name(unpack),
         )
         return None
-    unkeyable = hook_utils.unkeyable_reasons(hooks)
+    unkeyable = hook_keys.unkeyable_reasons(hooks)
     if unkeyable:
         # The inliner reports these (a warning, or an error under fullgraph) and the graph
         # keeps eager hook semantics: nothing for the caches to key.
         log.debug("saved tensors hooks %s cannot be keyed: %s", hook_utils.hook_name(pack), "; ".join(unkeyable))
         return None
-    cache_key = hook_utils.hooks_cache_key(pack, unpack)
+    cache_key = hook_keys.hooks_cache_key(pack, unpack)
     names = [
         self.install_subgraph(f"saved_tensors_hooks_{role}", hook_subgraph(fn, role, cache_key))
         for role, fn in (("pack", pack), ("unpack", unpack))

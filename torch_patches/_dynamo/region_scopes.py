@@ -15,9 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _compile_facts
-from torch_patches._functorch._aot_autograd import utils as hook_utils
-from torch_patches._hook_identity import config_key, hook_identity
+from torch_patches import _compile_facts, _hook_identity as hook_keys
 
 
 def _source_name(source: Any) -> str:
@@ -37,25 +35,13 @@ def guard_hook_content(source: Any, fn: Any) -> None:
     from torch._dynamo.guards import get_verbose_code_parts, install_guard
     from torch._guards import Guard
 
-    expected = hook_identity(fn)
-    # The whole torch_patches config, as for ambient hooks: a knob changes what the inliner
-    # does with the scope's hooks (placement, which tensors a lossy hook compresses).
-    expected_config = config_key()
+    digest, check = hook_keys.hook_content_check(fn)
 
     def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
         code = [
-            f"torch_patches saved tensors hook key of {_source_name(source)} == {expected.digest!r}"
+            f"torch_patches saved tensors hook key of {_source_name(source)} == {digest!r}"
             " and torch_patches.config unchanged"
         ]
-
-        def check(value: Any) -> bool:
-            return (
-                hook_utils.is_inlineable_hook(value)
-                and hook_identity(value).same_as(expected)
-                and config_key() == expected_config
-            )
-
-        check.pins = expected.pins  # type: ignore[attr-defined]  # alive as long as the guard
         builder.get_guard_manager(guard).add_lambda_guard(
             check, get_verbose_code_parts(code, guard), guard.user_stack
         )
@@ -74,7 +60,7 @@ def register_hooks_scope(tx: Any, pair: Any) -> str:
     the scope key (the pair's content digest, or a process-local key)."""
     from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
-    digest, reasons = hook_utils.hooks_cache_key(pair.pack, pair.unpack)
+    digest, reasons = hook_keys.hooks_cache_key(pair.pack, pair.unpack)
     if digest is None:
         # No key valid across processes: a key that can never hit, and no cache entry.
         key = f"local-{uuid.uuid4().hex}"

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from torch_patches import _compile_facts, _logging as tp_logging
+from torch_patches import _compile_facts, _logging as tp_logging, config
+from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._hook_kinds import decode
 
 
 UPSTREAM_MODULE = "torch._functorch.partitioners"
@@ -44,14 +46,9 @@ def ambient_budget_fraction() -> float | None:
     plans this compilation's whole graph, else None (no budget, a budget in bytes, or
     in-region scopes, which plan parts of the graph; or
     ``config.activation_budget_partitioner_recompute`` is off)."""
-    from torch_patches import config
-    from torch_patches._functorch._aot_autograd.utils import ambient_saved_tensors_hooks
-    from torch_patches.hooks.budget import unwrap_budget
-
     if not config.activation_budget_partitioner_recompute:
         return None
-    hooks = ambient_saved_tensors_hooks()
-    spec = unwrap_budget(hooks) if hooks is not None else None
+    spec = decode(hook_utils.ambient_saved_tensors_hooks()).budget
     if spec is None or not isinstance(spec.memory, float) or spec.memory >= 1.0:
         return None
     found = _compile_facts.facts()
@@ -65,16 +62,9 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     skip = set(inputs)
     total = 0
     for node in values:
-        val = node.meta.get("val") if node not in skip else None
-        if isinstance(val, torch.Tensor):
-            total += _hint(val.numel()) * val.element_size()
+        if node not in skip:
+            total += hook_utils.nbytes_of(node)
     return total
-
-
-def _hint(n: Any) -> int:
-    from torch_patches.hooks.select import _size_hint
-
-    return _size_hint(n)
 
 
 def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,6 +81,9 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         full = _activation_bytes(default, node_info.inputs)
         ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
         artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+        found = _compile_facts.facts()
+        if found is not None:
+            found.partition_cheap_ratio = ratio
         if ratio > fraction:
             artifact.debug(
                 "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
@@ -101,7 +94,6 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
             "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
             "activation bytes", fraction, ratio,
         )
-        found = _compile_facts.facts()
         if found is not None:
             found.partition_budget_ratio = ratio
         return cheap

@@ -28,15 +28,14 @@ tensor to fit a byte budget (``torch_patches.hooks.budget``).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-from torch_patches._functorch._aot_autograd.utils import INLINEABLE_ATTR
+from torch_patches._hook_kinds import SavedTensorInfo
+from torch_patches.hooks._inlineable import inlineable, is_inlineable
+from torch_patches.hooks.budget import budget
 from torch_patches.hooks.cache import cache_hash
+from torch_patches.hooks.compress import HookPair, bf16, chain, fp8_rowwise, int8_rowwise
+from torch_patches.hooks.offload import cpu_offload
+from torch_patches.hooks.select import numerics_safe, select, tolerate
 
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "HookPair",
@@ -54,44 +53,3 @@ __all__ = [
     "SavedTensorInfo",
     "tolerate",
 ]
-
-
-def _mark(fn: F) -> F:
-    if not callable(fn):
-        raise TypeError(f"saved tensors hooks must be callable, got {type(fn).__name__}")
-    try:
-        setattr(fn, INLINEABLE_ATTR, True)
-        return fn
-    except AttributeError:
-        # Builtins and other objects that take no attributes: mark a thin wrapper.
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs)
-
-        setattr(wrapper, INLINEABLE_ATTR, True)
-        return wrapper  # type: ignore[return-value]
-
-
-def inlineable(pack: F, unpack: Callable[..., Any]) -> tuple[F, Callable[..., Any]]:
-    """Mark ``(pack, unpack)`` as traceable saved-tensor hooks; returns the pair."""
-    return _mark(pack), _mark(unpack)
-
-
-def is_inlineable(fn: Any) -> bool:
-    """True for fx.GraphModules and functions marked with :func:`inlineable`."""
-    from torch_patches._functorch._aot_autograd.utils import is_inlineable_hook
-
-    return is_inlineable_hook(fn)
-
-
-# Ready-made hooks; imported last: they are built with ``inlineable`` above.
-from torch_patches.hooks.compress import (  # noqa: E402
-    HookPair,
-    bf16,
-    chain,
-    fp8_rowwise,
-    int8_rowwise,
-)
-from torch_patches.hooks.budget import budget  # noqa: E402
-from torch_patches.hooks.offload import cpu_offload  # noqa: E402
-from torch_patches.hooks.select import SavedTensorInfo, numerics_safe, select, tolerate  # noqa: E402

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_patches.hooks import inlineable, is_inlineable
+from torch_patches.hooks._inlineable import inlineable, is_inlineable
 from torch_patches.hooks.select import (
     BF16,
     FP8,

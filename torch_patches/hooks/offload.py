@@ -78,13 +78,12 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_patches.hooks import inlineable
+from torch_patches.hooks._inlineable import inlineable
 
 
 __all__ = ["cpu_offload", "offload", "reload_start", "reload_wait"]
@@ -234,78 +233,6 @@ def _reload_wait_fake(
     ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None
 ) -> Tensor:
     return _device_like(cpu, device, stride)
-
-
-# ----------------------------------------------------------------------- Inductor
-
-def install_inductor_lowering() -> Callable[[], None]:
-    """Make Inductor free the buffer ``offload`` reads without ever reusing it; returns the
-    undo.
-
-    A registry effect (``inductor.offload_lowering``, area ``offload``): installed by
-    ``torch_patches.apply()``, removed by ``unapply()``.  The lowering is Inductor's
-    ordinary fallback kernel for the op; every buffer the kernel reads is registered with
-    ``torch_patches._inductor.codegen.wrapper.free_without_reuse`` (the patch
-    ``inductor.free_without_reuse``; see the module docstring: the device-to-host copy
-    still reads it after the op returns).  Without ``apply()`` the hooks are Python hooks
-    and the op runs eagerly: no lowering is needed.
-    """
-    from torch._inductor import lowering as inductor_lowering
-
-    op = torch.ops.torch_patches.offload.default
-    previous = inductor_lowering.lowerings.get(op)
-    fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
-
-    def _lower_offload(src: Any, pin_memory: bool) -> Any:
-        from torch_patches._inductor.codegen.wrapper import free_without_reuse
-
-        out = fallback(src, pin_memory)
-        for name in _read_buffer_names(out, src):
-            free_without_reuse(name)
-        return out
-
-    ours = inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
-
-    def undo() -> None:
-        if inductor_lowering.lowerings.get(op) is ours:
-            if previous is None:
-                del inductor_lowering.lowerings[op]
-            else:
-                inductor_lowering.lowerings[op] = previous
-
-    return undo
-
-
-def _read_buffer_names(out: Any, src: Any) -> list[str]:
-    """Names of the buffers the offload fallback kernel reads (``src``'s, and any copy of
-    it the fallback realised)."""
-    from torch._inductor import ir
-
-    names: list[str] = []
-
-    def add(node: Any) -> None:
-        try:
-            name = node.get_name()
-        except Exception:  # noqa: BLE001 - constants and unnamed nodes read no buffer
-            return
-        if name not in names:
-            names.append(name)
-
-    add(src)
-    # The kernel object: out is TensorBox(StorageBox(MultiOutput | FallbackKernel)).
-    node = out
-    for _ in range(4):
-        if isinstance(node, ir.FallbackKernel):
-            for inp in node.inputs:
-                add(inp)
-            break
-        if isinstance(node, ir.MultiOutput):
-            node = node.inputs[0] if node.inputs else None
-            continue
-        node = getattr(node, "data", None)
-        if node is None:
-            break
-    return names
 
 
 # ---------------------------------------------------------------------- the hooks

@@ -26,87 +26,22 @@ the gradient; unknown ops, statistics and tensors too small to pay stay exact.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
 
-from torch_patches import _numerics
+from torch_patches import _numerics, config
+from torch_patches._hook_kinds import OTHERWISE_ATTR, SELECT_ATTR, SavedTensorInfo, decode
 from torch_patches._numerics import BF16, EXACT, FP8, INT8
+from torch_patches.hooks._inlineable import inlineable, is_inlineable
 
 
 __all__ = [
     "BF16", "EXACT", "FP8", "INT8", "OTHERWISE_ATTR", "SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select",
     "select_otherwise", "tolerate", "unwrap_select",
 ]
-
-#: Attribute on both functions of a :func:`select` pair: ``(pack, unpack, where)``.
-SELECT_ATTR = "__torch_patches_select__"
-#: Attribute on both functions of a :func:`select` pair: its ``otherwise`` pair, or None.
-OTHERWISE_ATTR = "__torch_patches_select_otherwise__"
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedTensorInfo:
-    """One saved tensor, as a hook's ``where=`` predicate sees it.
-
-    Attributes:
-        name: the node in the compiled forward graph (``None`` in eager).
-        producer: the op that computed it: ``"aten.mm.default"`` (compiled; ``"getitem:N of
-            aten.native_layer_norm.default"`` for output N of a multi-output op), the
-            ``grad_fn`` name in eager (``"MmBackward0"``); ``None`` for graph inputs and leaves.
-        dtype, shape: the tensor's (symbolic sizes as their hints).
-        nbytes: its size in bytes.
-        backward_consumers: the ops that read it in the backward, up to where its error meets
-            a gradient (through views, casts and the recomputation of what it feeds), in
-            graph order; ``None`` in eager, where the backward is not known at pack time.
-        is_input: a graph input (compiled) or a leaf (eager).
-        scope: ``"ambient"``, an in-region scope's name, or ``"eager"``.
-        tolerance: the lossiest storage the numerics allowlist accepts for it: ``"exact"``,
-            ``"bf16"``, ``"int8"`` or ``"fp8"``; see ``torch_patches/_numerics.py``.
-        why: what limits ``tolerance`` (the reader and argument, or the producer), or None.
-        readers: ``"op[argument]"`` for every argument it is read as on the way to a
-            gradient (compiled); ``None`` in eager.
-    """
-
-    name: str | None
-    producer: str | None
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    backward_consumers: tuple[str, ...] | None
-    is_input: bool
-    scope: str
-    tolerance: str = FP8
-    why: str | None = None
-    readers: tuple[str, ...] | None = None
-
-    @property
-    def compiled(self) -> bool:
-        return self.name is not None
-
-    @staticmethod
-    def from_tensor(t: torch.Tensor) -> "SavedTensorInfo":
-        """What eager knows of a tensor at pack time (its producer, not its readers)."""
-        grad_fn = t.grad_fn
-        tolerance, why = _numerics.eager_verdict(t)
-        return SavedTensorInfo(
-            name=None,
-            producer=None if grad_fn is None else type(grad_fn).__name__,
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            nbytes=t.numel() * t.element_size(),
-            backward_consumers=None,
-            is_input=t.grad_fn is None,
-            scope="eager",
-            tolerance=tolerance,
-            why=why,
-        )
-
 
 class _Kept:
     """A saved tensor the predicate rejected (eager hooks): stored as it is."""
@@ -173,8 +108,6 @@ def select(
             return other[1](packed.packed)  # type: ignore[index]
         return unpack(packed)
 
-    from torch_patches.hooks import inlineable, is_inlineable
-
     parts = (pack, unpack, where)
     for fn in (select_pack, select_unpack):
         setattr(fn, SELECT_ATTR, parts)
@@ -190,19 +123,14 @@ def _both(first: Callable[[Any], bool], second: Callable[[Any], bool], info: Any
 
 def select_otherwise(hooks: Any) -> HookPair | None:
     """The ``otherwise`` pair of a :func:`select` pair (None: none, or not a select pair)."""
-    if not hooks or unwrap_select(hooks) is None:
-        return None
-    return getattr(hooks[0], OTHERWISE_ATTR, None)
+    selection = decode(hooks).selection
+    return None if selection is None else selection.otherwise
 
 
 def unwrap_select(hooks: Any) -> tuple[Any, Any, Callable[[SavedTensorInfo], bool]] | None:
     """``(pack, unpack, where)`` of a :func:`select` pair, else None."""
-    if not hooks:
-        return None
-    got = getattr(hooks[0], SELECT_ATTR, None)
-    if got is None or getattr(hooks[1], SELECT_ATTR, None) is not got:
-        return None
-    return got
+    selection = decode(hooks).selection
+    return None if selection is None else (selection.pack, selection.unpack, selection.where)
 
 
 # --------------------------------------------------------------- numerics-safe default
@@ -220,8 +148,6 @@ def numerics_safe(info: SavedTensorInfo, storage: str = BF16) -> bool:
 
     ``torch_patches.config.lossy_hooks_numerics_safe = False`` accepts every tensor.
     """
-    from torch_patches import config
-
     if not config.lossy_hooks_numerics_safe:
         return True
     if info.nbytes < config.lossy_min_bytes or not info.shape or info.shape[-1] < 2:
@@ -243,8 +169,6 @@ def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
     compiled graph's identity: graphs compiled before recompile.  Use
     ``config.patch(numerics_allowlist=...)`` for a scoped change.
     """
-    from torch_patches import config
-
     _numerics.check_level(storage, "tolerate")
     if not args:
         raise ValueError("tolerate: name at least one argument (or '*')")
@@ -272,96 +196,3 @@ def op_base_name(op: str) -> str:
     """``"aten.sin.default"`` -> ``"sin"``; ``"SinBackward0"`` -> ``"sin"``; ``"getitem:1 of
     aten.native_layer_norm.default"`` -> ``"native_layer_norm"``."""
     return _numerics.base_name(op)
-
-
-# ------------------------------------------------------------ compile-time context
-
-
-def backward_consumers(bw_input: Any) -> tuple[str, ...]:
-    """The ops that read a saved tensor's backward input, up to where its error meets a
-    gradient (the numerics walk's readers, without their arguments)."""
-    from torch_patches._functorch._aot_autograd import saved_numerics
-
-    return saved_numerics.reader_ops(_verdict_of(None, bw_input).readers)
-
-
-def _verdict_of(saved: Any, bw_input: Any) -> Any:
-    from torch_patches._functorch._aot_autograd import saved_numerics
-
-    if saved is None:  # the readers only
-        saved = bw_input
-    return saved_numerics.verdict(saved, bw_input, backward_facts(bw_input.graph) if bw_input is not None else set())
-
-
-#: ``GraphModule.meta`` key of the backward graph's :class:`saved_numerics.BackwardFacts`.
-BACKWARD_FACTS_META = "torch_patches_backward_facts"
-
-
-def backward_facts(graph: fx.Graph) -> Any:
-    """The walk's facts of a backward graph: recorded on its module by the inliner (which
-    knows the inputs the caller keeps), else the gradient-dependent nodes alone."""
-    from torch_patches._functorch._aot_autograd import saved_numerics
-
-    module = graph.owning_module
-    found = None if module is None else module.meta.get(BACKWARD_FACTS_META)
-    if found is not None and found[0] == len(graph.nodes):
-        return found[1]
-    return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(graph))
-
-
-def _target_name(node: Any) -> str:
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)
-    return getattr(target, "__name__", str(target))
-
-
-def producer_of(saved: Any) -> str | None:
-    """The op that computed a saved tensor's forward node (None for placeholders)."""
-    if saved.op != "call_function":
-        return None
-    if saved.target is operator.getitem and saved.args and hasattr(saved.args[0], "op"):
-        src = saved.args[0]
-        return f"getitem:{saved.args[1]} of {_target_name(src)}"
-    return _target_name(saved)
-
-
-def compiled_info(saved: Any, bw_input: Any, scope: str) -> SavedTensorInfo:
-    """The :class:`SavedTensorInfo` of a saved tensor of a compiled graph."""
-    val = saved.meta["val"]
-    shape = tuple(_size_hint(s) for s in val.shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    from torch_patches._functorch._aot_autograd import saved_numerics
-
-    found = _verdict_of(saved, bw_input)
-    return SavedTensorInfo(
-        name=saved.name,
-        producer=producer_of(saved),
-        dtype=val.dtype,
-        shape=shape,
-        nbytes=numel * val.element_size(),
-        backward_consumers=saved_numerics.reader_ops(found.readers),
-        is_input=saved.op == "placeholder",
-        scope=scope,
-        tolerance=found.level,
-        why=found.why,
-        readers=found.readers,
-    )
-
-
-def _size_hint(s: Any) -> int:
-    """A symbolic size's example value (its hint); 8192 for one with none (unbacked)."""
-    if isinstance(s, int):
-        return s
-    node = getattr(s, "node", None)
-    hint = getattr(node, "hint", None)
-    if isinstance(hint, int):
-        return hint
-    try:
-        return int(node.shape_env.size_hint(node.expr))  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - no hint (unbacked size)
-        return 8192

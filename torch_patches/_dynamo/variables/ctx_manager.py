@@ -40,6 +40,7 @@ from torch_patches import _compile_facts
 from torch_patches._dynamo import region_scopes
 from torch_patches._hook_scopes import SCOPE_KEY
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._hook_kinds import is_inlineable_hook
 
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
         hooks = []
         for role in ("pack", "unpack"):
             value, source, guard_here = _python_value(tx, bound.arguments[f"{role}_hook"])
-            if not hook_utils.is_inlineable_hook(value):
+            if not is_inlineable_hook(value):
                 what = (
                     "a function defined inside the compiled region"
                     if value is None

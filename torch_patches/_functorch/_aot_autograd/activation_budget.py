@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import logging
 import operator
 import warnings
 from typing import Any
@@ -249,7 +248,7 @@ def options_for(
     ``tolerance``: the lossiest storage the numerics allowlist accepts for it."""
     from torch_patches import _numerics
 
-    from torch_patches.hooks.select import _size_hint
+    from torch_patches._functorch._aot_autograd.utils import size_hint as _size_hint
 
     s = val.element_size()
     n = nbytes // max(s, 1)
@@ -424,7 +423,7 @@ def _hinted(value: Any) -> Any:
     The estimates must never touch a symbolic expression: evaluating one (``float()``, a
     comparison) installs a guard on the graph's shapes, and a dynamic-shape graph would
     recompile at every new size."""
-    from torch_patches.hooks.select import _size_hint
+    from torch_patches._functorch._aot_autograd.utils import size_hint as _size_hint
 
     if isinstance(value, torch.Tensor):
         return torch.empty([_size_hint(d) for d in value.shape], dtype=value.dtype, device="meta")
@@ -540,10 +539,9 @@ def recompute_ms(recipe: Recipe, rates: Rates) -> float:
 
 
 def _nbytes(node: fx.Node) -> int:
-    from torch_patches.hooks.select import compiled_info
+    from torch_patches._functorch._aot_autograd.utils import nbytes_of
 
-    val = node.meta.get("val")
-    return compiled_info(node, None, "").nbytes if isinstance(val, torch.Tensor) else 0
+    return nbytes_of(node)
 
 
 def plan(
@@ -556,7 +554,7 @@ def plan(
     bw_inputs: dict[str, fx.Node],
     fw_g: fx.Graph,
     bw_g: fx.Graph,
-    describe: Any,
+    record_of: Any,
     exact: set[fx.Node] = frozenset(),
 ) -> Plan:
     """The plan for one budget pair.
@@ -570,8 +568,6 @@ def plan(
     ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
     packs, inputs the caller keeps); those in this plan are pinned to keep when read.
     """
-    from torch_patches.hooks.select import compiled_info
-
     groups: dict[fx.Node, list[fx.Node]] = {}
     for s in members:
         root = act_inputs.storage_root(s)
@@ -598,14 +594,14 @@ def plan(
     for root, saved in planned.items():
         per = []
         for s in saved:
-            info = compiled_info(s, bw_inputs.get(s.name), pair.label)
+            info = record_of(s).info()
             opts = options_for(s.meta["val"], info.nbytes, spec.options, lossy_tolerance(info), hidden[s], rates)
             per.append({o.name: o for o in opts})
         common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
         options = [Option(KEEP, storage[root], 0.0)] + [
             Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
         ]
-        text = describe(saved[0]) + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
+        text = record_of(saved[0]).describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
         choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root]))
     fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
     names = {i: n.name for n, i in bw_pos.items()}
@@ -758,21 +754,39 @@ def _on_hull(choice: Choice) -> Choice:
     return dataclasses.replace(choice, options=hull, chosen=hull[0])
 
 
-def log_plan(result: Plan, artifact: logging.Logger) -> None:
-    """The plan, per saved tensor and in total (``TORCH_LOGS="torch_patches"``)."""
-    for c in result.choices:
-        reads = ""
-        if c.chosen.name == RECOMPUTE and c.recipe is not None:
-            reads = f" ({len(c.recipe.nodes)} ops from {', '.join(f.name for f in c.recipe.frontier)})"
-        artifact.debug(
-            "budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms%s",
-            result.label, c.describe, c.chosen.name, c.chosen.device_bytes, c.chosen.ms, reads,
-        )
+def summarize(result: Plan) -> Any:
+    """The plan's :class:`~saved_tensor_records.BudgetPlanSummary`; warns when the plan
+    does not meet its budget (where the backward holds too much)."""
+    from torch_patches import _compile_facts
+    from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage
+
     peak, point = result.peak
-    artifact.debug(
-        "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s)",
-        result.label, result.predicted_bytes, result.baseline_bytes, result.budget_bytes, peak,
-        result.describe_point(point), result.estimated_ms, "met" if result.met else "NOT met", result.preference,
+    found = _compile_facts.facts() if result.label == "ambient" else None
+    cheap = found.partition_cheap_ratio if found is not None else None
+    units = tuple(
+        PlannedStorage(
+            tuple(n.name for n in c.saved),
+            c.chosen.name,
+            c.chosen.device_bytes,
+            c.chosen.ms,
+            tuple(f.name for f in c.recipe.frontier) if c.chosen.name == RECOMPUTE and c.recipe is not None else (),
+        )
+        for c in result.choices
+    )
+    summary = BudgetPlanSummary(
+        scope=result.label,
+        spec=result.spec.describe(),
+        planned_bytes=result.predicted_bytes,
+        baseline_bytes=result.baseline_bytes,
+        budget_bytes=result.budget_bytes,
+        peak_bytes=peak,
+        peak_at=result.describe_point(point),
+        met=result.met,
+        preference=result.preference,
+        estimated_ms=result.estimated_ms,
+        units=units,
+        partitioner_ratio=cheap,
+        partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
     )
     if not result.met:
         in_use = sorted(
@@ -793,6 +807,7 @@ def log_plan(result: Plan, artifact: logging.Logger) -> None:
             "torch._functorch.config.activation_memory_budget can recompute more",
             stacklevel=2,
         )
+    return summary
 
 
 def _names(choices: list[Choice]) -> str:
@@ -800,31 +815,31 @@ def _names(choices: list[Choice]) -> str:
 
 
 def apply_plans(
-    hookable: dict[fx.Node, HookPair],
-    candidates: list[tuple[fx.Node, HookPair]],
+    candidates: list[Any],
     saved_tensors: list[fx.Node],
     inputs: dict[fx.Node, str | None],
     held: set[fx.Node],
     bw_inputs: dict[str, fx.Node],
     fw_g: fx.Graph,
     bw_g: fx.Graph,
-    artifact: logging.Logger,
-    describe: Any,
-) -> tuple[dict[fx.Node, HookPair], dict[fx.Node, Recipe]]:
-    """``hookable`` with every budget pair replaced by its plan's option per saved tensor
-    (saved tensors the plan keeps or recomputes are dropped), and the recomputed ones with
-    their recipes.  ``held``: forward inputs the caller keeps (a recomputation may read
-    them)."""
+) -> tuple[dict[fx.Node, Recipe], list[Any]]:
+    """Plan every budget pair among the ``candidates`` (records of saved tensors with
+    hooks): each record the plan covers gets its option and the hooks of that option, or
+    is kept or recomputed (``SavedTensorRecord.option``, ``decision``, ``reason``).
+    Returns the recomputed saved tensors with their recipes and each plan's summary.
+    ``held``: forward inputs the caller keeps (a recomputation may read them)."""
     from torch_patches._functorch._aot_autograd.graph_surgery import alias_roots
-    from torch_patches.hooks.budget import unwrap_budget
+    from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED
 
-    out = dict(hookable)
+    record_of = {r.node: r for r in candidates}.__getitem__
+    hookable = {r.node: r.chosen for r in candidates if r.hooked}
     recomputed: dict[fx.Node, Recipe] = {}
-    for pair in dict.fromkeys(p for _, p in candidates):
-        spec = unwrap_budget((pair.pack, pair.unpack))
+    summaries = []
+    for pair in dict.fromkeys(r.pair for r in candidates):
+        spec = pair.kind.budget
         if spec is None:
             continue
-        members = [s for s, p in candidates if p is pair]
+        members = [r.node for r in candidates if r.pair is pair]
         mine = {s: p for s, p in hookable.items() if p is pair}
         aliases = alias_roots(mine)
         plannable = [s for s in mine if s not in aliases]
@@ -833,21 +848,27 @@ def apply_plans(
         exact = held | {
             s for s in saved_tensors if s.name in bw_inputs and hookable.get(s, pair) is pair
         }
-        result = plan(pair, spec, members, plannable, aliases, inputs, bw_inputs, fw_g, bw_g, describe, exact)
-        log_plan(result, artifact)
+        result = plan(pair, spec, members, plannable, aliases, inputs, bw_inputs, fw_g, bw_g, record_of, exact)
+        summaries.append(summarize(result))
         chosen = {s: c.chosen.name for c in result.choices for s in c.saved}
-        recomputed |= {c.saved[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
+        recipes = {c.saved[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
+        recomputed |= recipes
         for alias, root in aliases.items():
             chosen[alias] = chosen.get(root, KEEP)
         for s in mine:
-            if chosen.get(s, KEEP) == KEEP:
-                why = "kept by the budget plan" if s in chosen else (
-                    "shares its storage with a saved tensor the budget plan cannot hook"
-                )
-                artifact.debug("saved %s left unhooked: %s", describe(s), why)
-                del out[s]
-            elif chosen[s] == RECOMPUTE:
-                del out[s]
+            record = record_of(s)
+            option = chosen.get(s)
+            record.option = option
+            if option is None:
+                record.leave("budget", "shares its storage with a saved tensor the budget plan cannot hook")
+            elif option == KEEP:
+                record.leave("budget", "kept by the budget plan")
+            elif option == RECOMPUTE and s not in recipes:  # an alias of a recomputed tensor
+                record.leave("budget", f"aliases {aliases[s].name}, which the budget plan recomputes")
+            elif option == RECOMPUTE:
+                recipe = recipes[s]
+                reads = ", ".join(f.name for f in recipe.frontier)
+                record.leave("budget", f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
             else:
-                out[s] = HookPair(*option_hooks(chosen[s]), pair.label)
-    return out, recomputed
+                record.take(HookPair(*option_hooks(option), pair.label), "budget", f"budget option {option}")
+    return recomputed, summaries

@@ -21,9 +21,11 @@ reorders.  This is a fresh implementation with the same calling convention:
   leaves the graphs as they were and either raises (fullgraph, or
   ``config.untraceable_hook="error"``) or falls back to eager hooks with one warning.
 
-This module is the patched entry point and the driver: which hooks each saved tensor takes
-and whether it is hooked (selection), and what the compilation decided (facts for the
-runtime wrapper and the cache).  Tracing and the hook contract live in ``hook_tracing``,
+This module is the patched entry point and the driver.  Its spine is one record per saved
+tensor (``saved_tensor_records``): the phases (filter, select, plan, place, rewrite) are
+functions over the records, and the records are what the compilation reports (the debug
+log, ``torch_patches.testing.saved_tensor_records()``).  It also says what the compilation
+decided for the runtime wrapper and the cache.  Tracing and the hook contract live in ``hook_tracing``,
 the graph rewrite in ``graph_surgery``, graph inputs in ``activation_inputs``, subclass
 packed forms in ``packed_subclasses``.
 """
@@ -37,15 +39,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookError
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
     activation_inputs as act_inputs,
     graph_surgery,
     hook_tracing,
     saved_numerics,
+    saved_tensor_records as records,
     utils as hook_utils,
 )
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
@@ -63,7 +68,7 @@ def _record_decision(inlined: bool) -> None:
     # fell back to eager keeps them enabled at runtime.
     found = _compile_facts.facts()
     if found is not None:
-        key = hook_utils.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
+        key = hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
         found.hooks_inlined = (key, inlined)
 
 
@@ -124,7 +129,7 @@ def inlined_decision() -> bool | None:
     if found is None or found.hooks_inlined is None:
         return None
     key, inlined = found.hooks_inlined
-    if key != hook_utils.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks()):
+    if key != hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks()):
         return None
     return inlined
 
@@ -217,12 +222,7 @@ def maybe_inline_graph_saved_tensors_hooks(
     if found is not None:
         found.hooks_inlined = None
     ambient = _ambient_pair()
-    # What the numerics walk needs of the backward graph, for every SavedTensorInfo of this
-    # compilation (hooks/select.py reads it off the backward module while the inliner runs).
-    from torch_patches.hooks.select import BACKWARD_FACTS_META
-
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
-    bw_module.meta[BACKWARD_FACTS_META] = (len(bw_module.graph.nodes), _backward_facts(fw_module, bw_module, held))
     try:
         _inline(
             fw_module,
@@ -254,9 +254,8 @@ def maybe_inline_graph_saved_tensors_hooks(
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
         mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
+        records.publish(fw_module, records.CompiledSavedTensors([], fallback=str(e)))
         return
-    finally:
-        bw_module.meta.pop(BACKWARD_FACTS_META, None)
     if ambient is not None:
         _record_decision(inlined=True)
 
@@ -269,6 +268,100 @@ def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: 
     outs = bw_module.graph.output_node().args[0]
     accumulated = frozenset(i for i, ph in enumerate(placeholders) if ph in held) if len(outs) == len(placeholders) else frozenset()
     return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(bw_module.graph), accumulated)
+
+
+# ------------------------------------------------------------------------ phases
+# Each phase is a function over the records (saved_tensor_records.SavedTensorRecord).
+
+
+def _filter(
+    candidates: list[records.SavedTensorRecord],
+    allowed: set[fx.Node] | None,
+    inputs: dict[fx.Node, str | None],
+) -> None:
+    """Leave unhooked what the hooks may not see: upstream's filtering mode, our dtype
+    policy, and tensors the backward does not use."""
+    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
+    for r in candidates:
+        saved = r.node
+        if allowed is not None and saved not in allowed:
+            root = act_inputs.storage_root(saved)
+            if inputs.get(root) is not None:
+                why = f"{'is' if root is saved else 'aliases'} graph input {root.name}: {inputs[root]}"
+            else:
+                why = f"filtered by saved_tensors_hooks_filtering_mode={mode!r}"
+        elif not hook_utils.is_hookable_dtype(r.dtype):
+            why = f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
+        elif r.bw_input is None or not r.bw_input.users:
+            why = "unused by the backward"
+        else:
+            r.take(r.pair, "hooks")
+            continue
+        r.leave("filter", why)
+
+
+def _select(candidates: list[records.SavedTensorRecord]) -> None:
+    """Resolve ``select`` pairs: the hooks each tensor takes, or why none.
+
+    A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
+    tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
+    takes the pair's inner hooks (traced without the eager-mode branching), a rejected one
+    the pair's ``otherwise`` hooks (which may select in turn), or none.
+    """
+    for r in candidates:
+        if not r.hooked:
+            continue
+        pair, how = r.chosen, []
+        while (sel := pair.kind.selection) is not None:
+            try:
+                accepted = bool(sel.where(r.info()))
+            except Exception as e:  # noqa: BLE001 - the user's predicate
+                raise hook_tracing.hook_error(
+                    pair.pack,
+                    f"its where= predicate {hook_utils.hook_name(sel.where)} raised {type(e).__name__}: {e}",
+                    e,
+                    role="pack",
+                    pair=pair,
+                    saved=r.node,
+                ) from e
+            where = hook_utils.hook_name(sel.where)
+            if accepted:
+                how.append(f"accepted by where={where}")
+                pair = HookPair(sel.pack, sel.unpack, pair.label)
+            elif sel.otherwise is not None:
+                how.append(f"rejected by where={where}, otherwise")
+                pair = HookPair(sel.otherwise[0], sel.otherwise[1], pair.label)
+            else:
+                consumers = ", ".join(r.info().backward_consumers or ()) or "none"
+                numerics = f"tolerates {r.tolerance}" + (f": {r.tolerance_why}" if r.tolerance_why else "")
+                r.leave("select", f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
+                break
+        else:
+            if how:
+                r.take(pair, "select", "; ".join(how))
+
+
+def _drop_partially_hooked(
+    candidates: list[records.SavedTensorRecord], saved_tensors: list[fx.Node], inputs: dict[fx.Node, str | None]
+) -> None:
+    hooked = [r.node for r in candidates if r.hooked]
+    reasons = act_inputs.partially_hooked(saved_tensors, hooked, inputs)
+    for r in candidates:
+        if r.node in reasons:
+            r.leave("filter", reasons[r.node])
+
+
+def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
+    """A hooked saved tensor that purely aliases (detach, alias) another hooked with the
+    same hooks is not packed again: the backward reads the root's unpacked tensor."""
+    aliases = graph_surgery.alias_roots({r.node: r.chosen for r in candidates if r.hooked})
+    for r in candidates:
+        if r.node in aliases:
+            r.decision, r.decided_by, r.alias_of = records.ALIAS, "alias", aliases[r.node].name
+    return aliases
+
+
+# ------------------------------------------------------------------------ driver
 
 
 def _inline(
@@ -293,13 +386,16 @@ def _inline(
         if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
     ]
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
-    candidates = [
-        (n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors
-    ]
-    candidates = [(n, p) for n, p in candidates if p is not None]
-    candidate_pairs = dict(candidates)
-    if not candidates:
+    scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors]
+    if all(pair is None for _, pair in scoped):
         return
+    facts = _backward_facts(fw_module, bw_module, held)
+    all_records = [
+        records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair)
+        for n, pair in scoped
+    ]
+    compiled = records.CompiledSavedTensors(all_records)
+    candidates = [r for r in all_records if r.pair is not None]
     allowed = _filtered_by_mode(
         fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
     )
@@ -310,51 +406,28 @@ def _inline(
         allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
 
-    for pair in dict.fromkeys(p for _, p in candidates):
+    for pair in dict.fromkeys(r.pair for r in candidates):
         hook_tracing.check_keyable(pair)
 
-    # Phase 1: trace every hook. Nothing is modified until all of them traced.
-    plans: list[graph_surgery.SavedPlan] = []
-    hookable: dict[fx.Node, HookPair] = {}
-    for saved, pair in candidates:
-        val = saved.meta["val"]
-        why = None
-        if allowed is not None and saved not in allowed:
-            root = act_inputs.storage_root(saved)
-            if inputs.get(root) is not None:
-                why = f"{'is' if root is saved else 'aliases'} graph input {root.name}: {inputs[root]}"
-            else:
-                why = f"filtered by saved_tensors_hooks_filtering_mode={torch._functorch.config.saved_tensors_hooks_filtering_mode!r}"
-        elif not hook_utils.is_hookable_dtype(val.dtype):
-            why = f"dtype {val.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
-        elif saved.name not in bw_inputs or not bw_inputs[saved.name].users:
-            why = "unused by the backward"
-        else:
-            pair, why = _selected(saved, bw_inputs[saved.name], pair)
-        if why is not None:
-            artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
-            continue
-        hookable[saved] = pair
+    # Phase 1: decide and trace every hook. Nothing is modified until all of them traced.
+    _filter(candidates, allowed, inputs)
+    _select(candidates)
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.
-    hookable, recomputed = activation_budget.apply_plans(
-        hookable, candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g, artifact, _describe_saved
+    recomputed, compiled.plans = activation_budget.apply_plans(
+        candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g
     )
     if allowed is not None:
-        for saved, why in act_inputs.partially_hooked(saved_tensors, hookable, inputs).items():
-            artifact.debug("saved %s left unhooked: %s", _describe_saved(saved), why)
-            del hookable[saved]
-    # A saved tensor that is a pure alias (detach, alias) of another hooked saved tensor is
-    # not packed again: the backward reads the root's unpacked tensor for both.
-    aliases = graph_surgery.alias_roots(hookable)
+        _drop_partially_hooked(candidates, saved_tensors, inputs)
+    aliases = _mark_aliases(candidates)
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
-    for saved, pair in hookable.items():
-        if saved in aliases:
-            artifact.debug("saved %s: alias of %s, shares its packed tensor", saved.name, aliases[saved].name)
+    plans: list[graph_surgery.SavedPlan] = []
+    for r in candidates:
+        if not r.hooked:
             continue
-        val = saved.meta["val"]
+        saved, pair, val = r.node, r.chosen, r.node.meta["val"]
         key = hook_tracing.trace_key(pair, val)
         if key in traces:
             pack, unpack = traces[key]
@@ -364,13 +437,16 @@ def _inline(
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
         if pack.layout is not None:
-            artifact.debug("saved %s: packed as %s, flattened between the graphs", saved.name, pack.layout.describe())
+            r.reason = f"packed as {pack.layout.describe()}, flattened between the graphs"
+        r.packed_bytes = _device_bytes(pack.out_vals, val.device)
         out = unpack.out_vals
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]
         restride = hook_tracing.check_unpacked(out, val, pair, saved)
-        plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride))
+        plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride, r))
     if not plans and not recomputed:
+        records.log_records(compiled, artifact)
+        records.publish(fw_module, compiled)
         return
 
     # Phase 2: rewrite the graphs.
@@ -400,26 +476,34 @@ def _inline(
             placement,
         )
     extra_inputs: dict[fx.Node, fx.Node] = {}
-    for saved, recipe in recomputed.items():
-        label = candidate_pairs[saved].label
-        packed_leaves[saved] = graph_surgery.insert_recompute(
-            saved, recipe.nodes, recipe.frontier, label, bw_module, bw_inputs, bw_order, extra_inputs
-        )
+    for r in candidates:
+        if r.node in recomputed:
+            recipe = recomputed[r.node]
+            packed_leaves[r.node] = graph_surgery.insert_recompute(
+                r.node, recipe.nodes, recipe.frontier, r.pair.label, bw_module, bw_inputs, bw_order, extra_inputs
+            )
     bw_input_of |= extra_inputs
     graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
     graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
-    for saved in recomputed:
-        artifact.debug("saved %s recomputed in the backward by the budget plan", saved.name)
-    for plan in plans:
-        artifact.debug("saved %s hooked: %s", _describe_saved(plan.saved), plan.pair.names)
     fw_g.lint()
     bw_g.lint()
     fw_module.recompile()
     bw_module.recompile()
     _log_graphs(fw_module, bw_module, aot_config, "post", structured)
+    records.log_records(compiled, artifact)
+    records.publish(fw_module, compiled)
     if artifact.isEnabledFor(logging.DEBUG):
         artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
         artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+def _device_bytes(packed: Any, device: torch.device) -> int:
+    """Bytes of the packed form's tensors on ``device`` (an offloaded copy holds none)."""
+    total = 0
+    for leaf in pytree.tree_leaves(packed):
+        if isinstance(leaf, torch.Tensor) and leaf.device == device:
+            total += hook_utils.size_hint(leaf.numel()) * leaf.element_size()
+    return total
 
 
 def _log_graphs(
@@ -446,52 +530,3 @@ def _log_graphs(
             metadata_fn=lambda: {"name": "aot_saved_tensors_hooks_graphs", "encoding": "string"},
             payload_fn=lambda: "\n".join(out),
         )
-
-
-def _describe_saved(saved: fx.Node) -> str:
-    """``mul_3 (float32[4, 8] on cpu, 128 B, from aten.mul.Tensor)`` for the log."""
-    from torch_patches.hooks.select import compiled_info
-
-    val = saved.meta["val"]
-    info = compiled_info(saved, None, "")
-    source = "a graph input" if info.is_input else f"from {info.producer}"
-    return f"{saved.name} ({hook_utils.describe_value(val)}, {info.nbytes} B, {source})"
-
-
-def _selected(saved: fx.Node, bw_input: fx.Node, pair: HookPair) -> tuple[HookPair, str | None]:
-    """The hooks ``saved`` takes and None, or ``pair`` and why it is left unhooked.
-
-    A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
-    tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
-    takes the pair's inner hooks (traced without the eager-mode branching), a rejected one
-    the pair's ``otherwise`` hooks (which may select in turn), or none.
-    """
-    from torch_patches.hooks.select import compiled_info, select_otherwise, unwrap_select
-
-    sel = unwrap_select((pair.pack, pair.unpack))
-    if sel is None:
-        return pair, None
-    pack, unpack, where = sel
-    info = compiled_info(saved, bw_input, pair.label)
-    try:
-        accepted = bool(where(info))
-    except Exception as e:  # noqa: BLE001 - the user's predicate
-        raise hook_tracing.hook_error(
-            pair.pack,
-            f"its where= predicate {hook_utils.hook_name(where)} raised {type(e).__name__}: {e}",
-            e,
-            role="pack",
-            pair=pair,
-            saved=saved,
-        ) from e
-    if accepted:
-        return _selected(saved, bw_input, HookPair(pack, unpack, pair.label))
-    otherwise = select_otherwise((pair.pack, pair.unpack))
-    if otherwise is not None:
-        return _selected(saved, bw_input, HookPair(otherwise[0], otherwise[1], pair.label))
-    consumers = ", ".join(info.backward_consumers or ()) or "none"
-    numerics = f"tolerates {info.tolerance}" + (f": {info.why}" if info.why else "")
-    return pair, (
-        f"not selected by where={hook_utils.hook_name(where)} "
-        f"({numerics}; backward consumers: {consumers})"
-    )

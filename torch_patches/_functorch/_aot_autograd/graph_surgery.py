@@ -34,6 +34,7 @@ class SavedPlan:
     pack: Traced
     unpack: Traced
     restride: bool
+    record: Any = None  # its saved_tensor_records.SavedTensorRecord: told where pack and unpack went
 
 
 def _unique(graphs: tuple[fx.Graph, ...], candidate: str) -> str:
@@ -232,6 +233,8 @@ def insert_pack(
             suffix = "" if len(out_nodes) == 1 else f"_{i}"
             names[n] = _unique((fw_g, bw_g), f"{saved.name}_packed{suffix}")
     anchor = _forward_anchor(saved, order, placement)
+    if plan.record is not None:
+        plan.record.pack_after = anchor.name
     env: dict[fx.Node, Any] = {placeholder: saved}
     tag = {"role": "pack", "saved": saved.name, "hook": plan.pair.label}
     with fw_g.inserting_before(tail.get(anchor, anchor).next):
@@ -326,6 +329,8 @@ def insert_unpack(
         before = _backward_insert_before(bw_input, order, placement, 0)
         with bw_g.inserting_before(early_before):
             _copy_into(bw_g, bw_module, gm, env, names, tag, only=early)
+    if plan.record is not None:
+        plan.record.unpack_before = before.name
     with bw_g.inserting_before(before):
         _copy_into(bw_g, bw_module, gm, env, names, tag)
         result = env[out_node]

@@ -27,6 +27,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import packed_subclasses, utils as hook_utils
+from torch_patches._hook_kinds import PairKind, decode
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._hook_identity import hook_identity
 
 
@@ -51,6 +53,11 @@ class HookPair:
     pack: Callable[..., Any]
     unpack: Callable[..., Any]
     label: str  # "ambient", or the in-graph scope's name
+    #: What the pair is (inlineable, a ``select``, a ``budget``), decoded once.
+    kind: PairKind = dataclasses.field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", decode((self.pack, self.unpack)))
 
     @property
     def names(self) -> str:
@@ -345,13 +352,11 @@ def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
     # With a ShapeEnv, as in AOTAutograd: the same failures, for the same reasons.
     with FakeTensorMode(shape_env=ShapeEnv()):
         example = torch.empty(4, 8)
-    from torch_patches.hooks.select import unwrap_select
-
-    sel = unwrap_select((pair.pack, pair.unpack))
+    sel = pair.kind.selection
     try:
         check_keyable(pair)
         if sel is not None:  # traced as the inliner traces it: the inner hooks
-            pair = HookPair(sel[0], sel[1], pair.label)
+            pair = HookPair(sel.pack, sel.unpack, pair.label)
         trace_pair(pair, example, aot_config=None, saved=None)
     except SavedTensorsHookError as e:
         return e
@@ -363,7 +368,7 @@ def _purity_key(fn: Any) -> Any:
     if isinstance(fn, torch.fx.GraphModule):
         return None
     try:
-        return hook_utils.content_key(fn)
+        return hook_keys.content_key(fn)
     except Exception:  # noqa: BLE001
         return None
 

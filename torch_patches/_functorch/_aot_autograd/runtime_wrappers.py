@@ -24,6 +24,7 @@ import torch
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
+from torch_patches import _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import graph_compile, utils as hook_utils
 
 
@@ -132,7 +133,7 @@ def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] 
     if inlined is None:
         # No inlining attempt in this compilation (a cache hit): keyable inlineable hooks
         # were inlined, since graphs whose hooks fell back to eager are never cached.
-        inlined = hook_utils.hooks_guard_key(hooks) is not None
+        inlined = hook_keys.hooks_guard_key(hooks) is not None
     if inlined:
         from torch._functorch._aot_autograd import runtime_wrappers
 

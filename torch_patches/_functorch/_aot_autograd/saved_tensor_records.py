@@ -1,0 +1,339 @@
+"""One record per saved tensor: the inliner's spine and its one output.
+
+The inliner (``graph_compile._inline``) makes one :class:`SavedTensorRecord` per tensor the
+partitioned forward saves for the backward, then runs its phases over the records, each a
+function that fills in its part:
+
+=============  ==============================================  =========================
+phase          fills in                                        code
+=============  ==============================================  =========================
+collect        name, producer, scope, storage root, readers,   :func:`collect` (here)
+               tolerance, backward span
+filter         decision ``unhooked`` by ``filter`` and why      ``graph_compile._filter``
+select         the hooks a ``select`` pair leaves it, or why    ``graph_compile._select``
+plan           a budget's option, or kept/recomputed and why    ``activation_budget.planner``
+place/rewrite  packed bytes, where pack and unpack went         ``graph_compile._inline``,
+                                                                ``graph_surgery``
+=============  ==============================================  =========================
+
+The records of one compilation travel on the forward graph module
+(``fw_module.meta[RECORDS_META]``, a :class:`CompiledSavedTensors`); the debug log
+(``TORCH_LOGS="torch_patches"``) writes them (:func:`log_records`); tests and the bench read
+them through ``torch_patches.testing.saved_tensor_records()``, never the log's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torch_patches._functorch._aot_autograd import saved_numerics, utils as hook_utils
+from torch_patches._hook_kinds import SavedTensorInfo
+
+
+__all__ = [
+    "ALIAS", "HOOKED", "RECOMPUTED", "RECORDS_META", "UNHOOKED", "BudgetPlanSummary", "CompiledSavedTensors",
+    "PlannedStorage",
+    "SavedTensorRecord", "collect", "log_records", "producer_of", "publish", "recording",
+]
+
+#: ``fw_module.meta`` key of the compilation's :class:`CompiledSavedTensors`.
+RECORDS_META = "torch_patches_saved_tensors"
+
+# Decisions (``SavedTensorRecord.decision``).
+HOOKED = "hooked"  # packed in the forward, unpacked in the backward
+UNHOOKED = "unhooked"  # saved as it is (``decided_by`` and ``reason`` say why)
+RECOMPUTED = "recomputed"  # not saved: the backward recomputes it (a budget plan)
+ALIAS = "alias"  # a pure alias of another hooked saved tensor: shares its packed form
+
+
+@dataclasses.dataclass(eq=False)
+class SavedTensorRecord:
+    """One saved tensor of a compiled forward graph and what the inliner decided for it.
+
+    Attributes:
+        name: the forward graph's node (and the backward's input of the same name).
+        producer: the op that computed it (``"aten.mm.default"``, ``"getitem:1 of
+            aten.native_layer_norm.default"``), None for a graph input.
+        dtype, shape, nbytes, device: the tensor's (symbolic sizes as their hints).
+        is_input: a graph input (a parameter, a leaf, an input the caller keeps).
+        storage_root: the node whose storage it is a view of (itself when it is a base).
+        scope: the hooks' scope: ``"ambient"``, an in-region scope's name, or None (no hooks).
+        readers: ``"op[argument]"`` for every argument the backward reads it as on the way
+            to a gradient (the numerics walk, ``saved_numerics``; only for tensors with hooks).
+        tolerance: the lossiest storage the numerics allowlist accepts for it, and
+            ``tolerance_why`` what limits it (None without hooks: not walked).
+        span: (first, last) position in the backward graph of the nodes using it (before the
+            rewrite), None when the backward does not use it.
+        decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`.
+        decided_by: the phase that decided: ``"scope"`` (no hooks), ``"filter"``,
+            ``"select"``, ``"budget"``, ``"alias"``, or ``"hooks"`` (taken as its scope's).
+        reason: why, in words (None for a plainly hooked tensor).
+        hooks: the names of the hooks it takes (after selection and planning), or None.
+        option: a budget plan's option for it (``"keep"``, ``"bf16"``, ..., ``"recompute"``).
+        alias_of: the saved tensor whose packed form it shares (:data:`ALIAS`).
+        packed_bytes: bytes of its packed form on its device (0: offloaded), when hooked.
+        pack_after: the forward node its pack follows; ``unpack_before``: the backward node
+            its unpack precedes (the first use, ``unpack_prefetch_distance`` earlier).
+    """
+
+    name: str
+    producer: str | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    device: str
+    is_input: bool
+    storage_root: str
+    scope: str | None
+    readers: tuple[str, ...]
+    tolerance: str | None
+    tolerance_why: str | None
+    span: tuple[int, int] | None
+    decision: str = UNHOOKED
+    decided_by: str = "scope"
+    reason: str | None = None
+    hooks: str | None = None
+    option: str | None = None
+    alias_of: str | None = None
+    packed_bytes: int | None = None
+    pack_after: str | None = None
+    unpack_before: str | None = None
+    # Compile-time only: the graphs' nodes and the hook pairs (not kept past compilation by
+    # anything but the records themselves).
+    node: fx.Node | None = dataclasses.field(default=None, repr=False)
+    bw_input: fx.Node | None = dataclasses.field(default=None, repr=False)
+    pair: Any = dataclasses.field(default=None, repr=False)  # the scope's HookPair
+    chosen: Any = dataclasses.field(default=None, repr=False)  # the HookPair it takes
+
+    @property
+    def hooked(self) -> bool:
+        return self.decision == HOOKED
+
+    def leave(self, by: str, reason: str, decision: str = UNHOOKED) -> None:
+        """Decide that it is not packed (``decision``), by phase ``by``, because ``reason``."""
+        self.decision, self.decided_by, self.reason, self.chosen = decision, by, reason, None
+        self.hooks = None
+
+    def take(self, pair: Any, by: str, reason: str | None = None) -> None:
+        """Decide that it is packed by ``pair`` (a ``HookPair``), by phase ``by``."""
+        self.decision, self.decided_by, self.reason, self.chosen = HOOKED, by, reason, pair
+        self.hooks = pair.names
+
+    def info(self) -> SavedTensorInfo:
+        """The :class:`SavedTensorInfo` a ``where=`` predicate sees for it."""
+        return SavedTensorInfo(
+            name=self.name,
+            producer=self.producer,
+            dtype=self.dtype,
+            shape=self.shape,
+            nbytes=self.nbytes,
+            backward_consumers=saved_numerics.reader_ops(self.readers),
+            is_input=self.is_input,
+            scope=self.scope or "",
+            tolerance=self.tolerance,
+            why=self.tolerance_why,
+            readers=self.readers,
+        )
+
+    def describe(self) -> str:
+        """``mul_3 (float32[4, 8] on cpu, 128 B, from aten.mul.Tensor)``."""
+        source = "a graph input" if self.is_input else f"from {self.producer}"
+        shape = list(self.shape)
+        return f"{self.name} ({str(self.dtype).replace('torch.', '')}{shape} on {self.device}, {self.nbytes} B, {source})"
+
+    def line(self) -> str:
+        """The record as one log line."""
+        what = {
+            HOOKED: f"hooked: {self.hooks}",
+            UNHOOKED: "left unhooked",
+            RECOMPUTED: "recomputed in the backward",
+            ALIAS: f"alias of {self.alias_of}, shares its packed tensor",
+        }[self.decision]
+        parts = [f"saved {self.describe()} {what}"]
+        if self.option is not None:
+            parts.append(f"budget option {self.option}")
+        if self.reason:
+            parts.append(f"{self.decided_by}: {self.reason}")
+        if self.packed_bytes is not None:
+            parts.append(f"packed {self.packed_bytes} B")
+        if self.pack_after is not None:
+            parts.append(f"pack after {self.pack_after}, unpack before {self.unpack_before}")
+        return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStorage:
+    """One unit of a budget plan: a storage and the saved tensors reading it."""
+
+    saved: tuple[str, ...]  # the saved tensors reading the storage (q, k, v of one projection)
+    option: str  # "keep", "bf16", ..., "recompute"
+    device_bytes: int  # what it holds on the device at the forward's end with that option
+    estimated_ms: float  # the option's estimated cost
+    reads: tuple[str, ...] = ()  # a recomputation's inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlanSummary:
+    """One budget pair's plan over the saved tensors of its scope (bytes on the device)."""
+
+    scope: str
+    spec: str
+    planned_bytes: int  # the saved bytes the plan predicts at the forward's end
+    baseline_bytes: int  # the bytes the scope saves without hooks
+    budget_bytes: int
+    peak_bytes: int  # the most the plan holds at any point of the backward
+    peak_at: str
+    met: bool
+    preference: str  # which plan was taken and why
+    estimated_ms: float
+    units: tuple[PlannedStorage, ...] = ()
+    #: Under an ambient fractional budget, the share of the default partition's activation
+    #: bytes the partitioner's cheap exact recomputation saves (``torch_patches/_functorch/
+    #: partitioners.py``), and whether that met the budget (the plan then starts from it).
+    partitioner_ratio: float | None = None
+    partitioner_met: bool | None = None
+
+    def options(self) -> dict[str, str]:
+        """Option per storage, keyed by the first saved tensor reading it."""
+        return {u.saved[0]: u.option for u in self.units}
+
+
+@dataclasses.dataclass
+class CompiledSavedTensors:
+    """What the inliner decided for one compiled forward/backward pair."""
+
+    records: list[SavedTensorRecord]
+    plans: list[BudgetPlanSummary] = dataclasses.field(default_factory=list)
+    #: The hooks fell back to eager hooks (nothing was inlined): why.
+    fallback: str | None = None
+
+    def __getitem__(self, name: str) -> SavedTensorRecord:
+        for r in self.records:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def by_decision(self, decision: str) -> list[SavedTensorRecord]:
+        return [r for r in self.records if r.decision == decision]
+
+
+# ------------------------------------------------------------------- observers
+
+_observers: contextvars.ContextVar[tuple[list[CompiledSavedTensors], ...]] = contextvars.ContextVar(
+    "torch_patches_saved_tensor_observers", default=()
+)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[CompiledSavedTensors]]:
+    """Collect the :class:`CompiledSavedTensors` of every graph the inliner handles inside
+    the block (this thread and context), in compile order."""
+    out: list[CompiledSavedTensors] = []
+    token = _observers.set((*_observers.get(), out))
+    try:
+        yield out
+    finally:
+        _observers.reset(token)
+
+
+def publish(fw_module: fx.GraphModule, compiled: CompiledSavedTensors) -> None:
+    """Attach the records to the forward graph module and hand them to the observers."""
+    fw_module.meta[RECORDS_META] = compiled
+    for out in _observers.get():
+        out.append(compiled)
+
+
+def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> None:
+    """The records on the debug log, one line each, then each budget plan's summary."""
+    if not artifact.isEnabledFor(logging.DEBUG):
+        return
+    for r in compiled.records:
+        artifact.debug("%s", r.line())
+    for p in compiled.plans:
+        if p.partitioner_ratio is not None:
+            artifact.debug(
+                "budget plan (%s): the partitioner's cheap recomputation saves %.3f of the activation bytes; %s",
+                p.scope, p.partitioner_ratio, "it meets the budget" if p.partitioner_met else "the plan starts from the default partition",
+            )
+        artifact.debug(
+            "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s)",
+            p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
+            p.estimated_ms, "met" if p.met else "NOT met", p.preference,
+        )
+    if compiled.fallback:
+        artifact.debug("eager fallback: %s", compiled.fallback)
+
+
+# ------------------------------------------------------------------- collect
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def producer_of(saved: fx.Node) -> str | None:
+    """The op that computed a saved tensor's forward node (None for placeholders)."""
+    if saved.op != "call_function":
+        return None
+    if saved.target is operator.getitem and saved.args and isinstance(saved.args[0], fx.Node):
+        return f"getitem:{saved.args[1]} of {_target_name(saved.args[0])}"
+    return _target_name(saved)
+
+
+def _span(bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> tuple[int, int] | None:
+    if bw_input is None or not bw_input.users:
+        return None
+    positions = [bw_order[u] for u in bw_input.users]
+    return min(positions), max(positions)
+
+
+def collect(
+    saved: fx.Node,
+    bw_input: fx.Node | None,
+    bw_order: dict[fx.Node, int],
+    facts: saved_numerics.BackwardFacts,
+    storage_root: fx.Node,
+    pair: Any,
+) -> SavedTensorRecord:
+    """The record of one saved tensor before any decision: what it is, its hooks' scope
+    (``pair``, None: no hooks), and what the backward does with it."""
+    val = saved.meta["val"]
+    shape = tuple(hook_utils.size_hint(s) for s in val.shape)
+    # The numerics walk only where hooks may compress (it reads the backward graph).
+    verdict = saved_numerics.verdict(saved, bw_input, facts) if pair is not None else None
+    return SavedTensorRecord(
+        name=saved.name,
+        producer=producer_of(saved),
+        dtype=val.dtype,
+        shape=shape,
+        nbytes=hook_utils.nbytes_of(saved),
+        device=val.device.type,
+        is_input=saved.op == "placeholder",
+        storage_root=storage_root.name,
+        scope=None if pair is None else pair.label,
+        readers=tuple(verdict.readers or ()) if verdict is not None else (),
+        tolerance=verdict.level if verdict is not None else None,
+        tolerance_why=verdict.why if verdict is not None else None,
+        span=_span(bw_input, bw_order),
+        decision=UNHOOKED,
+        decided_by="scope",
+        reason=None if pair is not None else "no saved tensors hooks in its scope",
+        node=saved,
+        bw_input=bw_input,
+        pair=pair,
+        chosen=pair,
+    )

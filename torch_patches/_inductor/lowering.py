@@ -1,0 +1,88 @@
+"""Inductor lowerings for torch_patches' custom ops.
+
+Upstream counterpart: ``torch/_inductor/lowering.py`` (``register_lowering``,
+``fallback_handler``).  ``torch_patches::offload`` (``torch_patches.hooks.offload``) is
+lowered to Inductor's fallback kernel for it, with every buffer it reads freed without reuse
+(``torch_patches._inductor.codegen.wrapper.free_without_reuse``): the device-to-host copy
+still reads the buffer after the op returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_patches._inductor.codegen.wrapper import free_without_reuse
+
+
+
+def install_inductor_lowering() -> Callable[[], None]:
+    """Make Inductor free the buffer ``offload`` reads without ever reusing it; returns the
+    undo.
+
+    A registry effect (``inductor.offload_lowering``, area ``offload``): installed by
+    ``torch_patches.apply()``, removed by ``unapply()``.  The lowering is Inductor's
+    ordinary fallback kernel for the op; every buffer the kernel reads is registered with
+    ``torch_patches._inductor.codegen.wrapper.free_without_reuse`` (the patch
+    ``inductor.free_without_reuse``; see the module docstring: the device-to-host copy
+    still reads it after the op returns).  Without ``apply()`` the hooks are Python hooks
+    and the op runs eagerly: no lowering is needed.
+    """
+    from torch._inductor import lowering as inductor_lowering
+
+    import torch_patches.hooks.offload  # noqa: F401 - registers the torch_patches custom ops
+
+    op = torch.ops.torch_patches.offload.default
+    previous = inductor_lowering.lowerings.get(op)
+    fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
+
+    def _lower_offload(src: Any, pin_memory: bool) -> Any:
+        out = fallback(src, pin_memory)
+        for name in _read_buffer_names(out, src):
+            free_without_reuse(name)
+        return out
+
+    ours = inductor_lowering.register_lowering(op, type_promotion_kind=None)(_lower_offload)
+
+    def undo() -> None:
+        if inductor_lowering.lowerings.get(op) is ours:
+            if previous is None:
+                del inductor_lowering.lowerings[op]
+            else:
+                inductor_lowering.lowerings[op] = previous
+
+    return undo
+
+
+def _read_buffer_names(out: Any, src: Any) -> list[str]:
+    """Names of the buffers the offload fallback kernel reads (``src``'s, and any copy of
+    it the fallback realised)."""
+    from torch._inductor import ir
+
+    names: list[str] = []
+
+    def add(node: Any) -> None:
+        try:
+            name = node.get_name()
+        except Exception:  # noqa: BLE001 - constants and unnamed nodes read no buffer
+            return
+        if name not in names:
+            names.append(name)
+
+    add(src)
+    # The kernel object: out is TensorBox(StorageBox(MultiOutput | FallbackKernel)).
+    node = out
+    for _ in range(4):
+        if isinstance(node, ir.FallbackKernel):
+            for inp in node.inputs:
+                add(inp)
+            break
+        if isinstance(node, ir.MultiOutput):
+            node = node.inputs[0] if node.inputs else None
+            continue
+        node = getattr(node, "data", None)
+        if node is None:
+            break
+    return names
