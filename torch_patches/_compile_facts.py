@@ -37,6 +37,9 @@ class CompileFacts:
     #: Under an ambient fractional budget, the fraction the partitioner's cheap recomputation
     #: saves whether or not it met the budget (reported with the plan's summary).
     partition_cheap_ratio: float | None = None
+    #: What the inliner decided, per compiled graph pair of this context
+    #: (``saved_tensor_records.CompiledSavedTensors``, in compile order).
+    saved_tensors: list[Any] = dataclasses.field(default_factory=list)
 
 
 _ATTR = "_torch_patches_compile_facts"

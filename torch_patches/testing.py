@@ -102,8 +102,7 @@ def saved_tensor_records() -> Iterator[list[Any]]:
         print({r.name: r.decision for r in last.records})
 
     Graphs served from a compile cache were not inlined in this process and report
-    nothing.  The same records are on the compiled forward graph module
-    (``gm.meta["torch_patches_saved_tensors"]``) and, one line each, on the debug log
+    nothing.  The same records are written, one line each, to the debug log
     (``TORCH_LOGS="torch_patches"``).
     """
     from torch_patches._functorch._aot_autograd import saved_tensor_records as records

@@ -254,7 +254,7 @@ def maybe_inline_graph_saved_tensors_hooks(
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
         mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
-        records.publish(fw_module, records.CompiledSavedTensors([], fallback=str(e)))
+        records.publish(records.CompiledSavedTensors([], fallback=str(e)))
         return
     if ambient is not None:
         _record_decision(inlined=True)
@@ -446,7 +446,7 @@ def _inline(
         plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride, r))
     if not plans and not recomputed:
         records.log_records(compiled, artifact)
-        records.publish(fw_module, compiled)
+        records.publish(compiled)
         return
 
     # Phase 2: rewrite the graphs.
@@ -491,7 +491,7 @@ def _inline(
     bw_module.recompile()
     _log_graphs(fw_module, bw_module, aot_config, "post", structured)
     records.log_records(compiled, artifact)
-    records.publish(fw_module, compiled)
+    records.publish(compiled)
     if artifact.isEnabledFor(logging.DEBUG):
         artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
         artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))

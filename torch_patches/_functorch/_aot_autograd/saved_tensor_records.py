@@ -16,8 +16,8 @@ place/rewrite  packed bytes, where pack and unpack went         ``graph_compile.
                                                                 ``graph_surgery``
 =============  ==============================================  =========================
 
-The records of one compilation travel on the forward graph module
-(``fw_module.meta[RECORDS_META]``, a :class:`CompiledSavedTensors`); the debug log
+The records of one compilation (a :class:`CompiledSavedTensors`) are kept on its facts
+(``_compile_facts.CompileFacts.saved_tensors``); the debug log
 (``TORCH_LOGS="torch_patches"``) writes them (:func:`log_records`); tests and the bench read
 them through ``torch_patches.testing.saved_tensor_records()``, never the log's text.
 """
@@ -40,13 +40,10 @@ from torch_patches._hook_kinds import SavedTensorInfo
 
 
 __all__ = [
-    "ALIAS", "HOOKED", "RECOMPUTED", "RECORDS_META", "UNHOOKED", "BudgetPlanSummary", "CompiledSavedTensors",
+    "ALIAS", "HOOKED", "RECOMPUTED", "UNHOOKED", "BudgetPlanSummary", "CompiledSavedTensors",
     "PlannedStorage",
     "SavedTensorRecord", "collect", "log_records", "producer_of", "publish", "recording",
 ]
-
-#: ``fw_module.meta`` key of the compilation's :class:`CompiledSavedTensors`.
-RECORDS_META = "torch_patches_saved_tensors"
 
 # Decisions (``SavedTensorRecord.decision``).
 HOOKED = "hooked"  # packed in the forward, unpacked in the backward
@@ -107,8 +104,7 @@ class SavedTensorRecord:
     packed_bytes: int | None = None
     pack_after: str | None = None
     unpack_before: str | None = None
-    # Compile-time only: the graphs' nodes and the hook pairs (not kept past compilation by
-    # anything but the records themselves).
+    # Compile-time only: the graphs' nodes and the hook pairs (dropped by :func:`publish`).
     node: fx.Node | None = dataclasses.field(default=None, repr=False)
     bw_input: fx.Node | None = dataclasses.field(default=None, repr=False)
     pair: Any = dataclasses.field(default=None, repr=False)  # the scope's HookPair
@@ -245,9 +241,19 @@ def recording() -> Iterator[list[CompiledSavedTensors]]:
         _observers.reset(token)
 
 
-def publish(fw_module: fx.GraphModule, compiled: CompiledSavedTensors) -> None:
-    """Attach the records to the forward graph module and hand them to the observers."""
-    fw_module.meta[RECORDS_META] = compiled
+def publish(compiled: CompiledSavedTensors) -> None:
+    """The compilation's records are final: drop their compile-time references (graph
+    nodes, hook pairs), keep them on the compilation's facts, hand them to the observers.
+
+    Not on the graph modules' ``meta``: the compile caches hash and pickle the modules.
+    """
+    from torch_patches import _compile_facts
+
+    for r in compiled.records:
+        r.node = r.bw_input = r.pair = r.chosen = None
+    found = _compile_facts.facts()
+    if found is not None:
+        found.saved_tensors.append(compiled)
     for out in _observers.get():
         out.append(compiled)
 
