@@ -14,7 +14,7 @@ import torch.fx
 
 import torch_patches
 from torch_patches import hooks
-from torch_patches.bench import saved_bytes
+from torch_patches.bench.measure import saved_bytes
 from torch_patches.hooks import cache_hash, inlineable
 
 

@@ -9,7 +9,8 @@
   compiled with aot_eager (the compiled function's ctx), and the packed outputs of runtime
   hooks (``eager-hooks`` rows); the block working set of ``floor MiB`` on the MLP block.
 * ``Case`` with a budget: JSON round trip (old JSON without the field still loads), labels,
-  the rows ``--budget`` adds, the planner's log lines summed, the table's budget columns.
+  the rows ``--budget`` adds, the table's budget columns; the inliner's decisions
+  (``recording_decisions``: budget plans and bytes a select predicate left unhooked) summed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import unittest
 import pytest
 import torch
 
-from torch_patches import bench
+from torch_patches.bench import _fractions
+from torch_patches.bench._decisions import recording_decisions
+from torch_patches.bench.case import Case
+from torch_patches.bench.measure import _recording_pack, block_working_set, saved_bytes, tensor_bytes
+from torch_patches.bench.models import blocks_of, build_model, example_input
+from torch_patches.bench.report import add_ratios, format_table
+from torch_patches.bench.run import COMPOSED_HOOKS, _cast_hooks, cases_for
 from torch_patches.testing import TestCase
 
 
@@ -65,7 +72,7 @@ class TestBench(unittest.TestCase):
                             "time_ratio", "time_ratio_min", "saved_bytes"):
                     self.assertTrue(math.isfinite(r[key]), f"{key}={r[key]}")
                 self.assertEqual(r["frames_compiled"], 1)
-        self.assertIn("fp8_rowwise+cpu_offload", bench.COMPOSED_HOOKS)
+        self.assertIn("fp8_rowwise+cpu_offload", COMPOSED_HOOKS)
 
     @pytest.mark.slow
     def test_budget_rows(self) -> None:
@@ -124,9 +131,9 @@ class TestSavedBytes(TestCase):
         y = model(x)
         # Each ReLU saves its result (b x d fp32); the next addmm saves that same storage as
         # its mat1, counted once. The first addmm's mat1 is x, every mat2 a weight's t().
-        self.assertEqual(bench.saved_bytes(y, (*model.parameters(), x)), n * b * d * 4)
-        self.assertEqual(bench.saved_bytes(y), n * b * d * 4 + b * d * 4 + n * d * d * 4)
-        self.assertEqual(bench.saved_bytes((y, [y.view(-1)])), n * b * d * 4 + b * d * 4 + n * d * d * 4)
+        self.assertEqual(saved_bytes(y, (*model.parameters(), x)), n * b * d * 4)
+        self.assertEqual(saved_bytes(y), n * b * d * 4 + b * d * 4 + n * d * d * 4)
+        self.assertEqual(saved_bytes((y, [y.view(-1)])), n * b * d * 4 + b * d * 4 + n * d * d * 4)
 
     def test_compiled_aot_eager(self) -> None:
         n, b, d = self.N, self.B, self.D
@@ -136,60 +143,60 @@ class TestSavedBytes(TestCase):
         self.assertEqual(type(y.grad_fn).__name__, "CompiledFunctionBackward")
         # The min-cut partition saves the same: every ReLU output (the last is the output
         # itself), x and the weights (left out).
-        self.assertEqual(bench.saved_bytes(y, (*model.parameters(), x)), n * b * d * 4)
+        self.assertEqual(saved_bytes(y, (*model.parameters(), x)), n * b * d * 4)
         y.sum().backward()
-        self.assertEqual(bench.saved_bytes(y), 0)  # freed by backward
+        self.assertEqual(saved_bytes(y), 0)  # freed by backward
 
     def test_runtime_hooks_packed(self) -> None:
         # eager-hooks rows: what pack returned (bf16 copies, one per saved tensor and pack call).
         n, b, d = self.N, self.B, self.D
         model = _linear_relu(n, d)
         x = torch.randn(b, d, requires_grad=True)
-        pack, unpack = bench._cast_hooks(torch.bfloat16)
+        pack, unpack = _cast_hooks(torch.bfloat16)
         packed: list = []
-        with torch.autograd.graph.saved_tensors_hooks(bench._recording_pack(pack, packed), unpack):
+        with torch.autograd.graph.saved_tensors_hooks(_recording_pack(pack, packed), unpack):
             model(x).sum().backward()
         # x, n weights, n ReLU results, and again n - 1 of them as the next addmm's mat1.
         expected = 2 * (b * d + n * d * d + n * b * d + (n - 1) * b * d)
-        self.assertEqual(bench.tensor_bytes(packed, (*model.parameters(), x)), expected)
+        self.assertEqual(tensor_bytes(packed, (*model.parameters(), x)), expected)
 
     def test_storage_once_and_excluded(self) -> None:
         t = torch.zeros(10, 4)
-        self.assertEqual(bench.tensor_bytes([t, t[1:], (t.view(40), {"k": t.t()})]), 160)
-        self.assertEqual(bench.tensor_bytes([t, torch.ones(3)], exclude=[t[2:]]), 12)
-        self.assertEqual(bench.tensor_bytes([torch.empty(0)]), 0)
+        self.assertEqual(tensor_bytes([t, t[1:], (t.view(40), {"k": t.t()})]), 160)
+        self.assertEqual(tensor_bytes([t, torch.ones(3)], exclude=[t[2:]]), 12)
+        self.assertEqual(tensor_bytes([torch.empty(0)]), 0)
 
     def test_block_working_set(self) -> None:
-        case = bench.Case(model="mlp8", dim=4, batch=8, blocks=2)
-        model = bench.build_model(case)
-        x = bench.example_input(case).requires_grad_(True)
+        case = Case(model="mlp8", dim=4, batch=8, blocks=2)
+        model = build_model(case)
+        x = example_input(case).requires_grad_(True)
         # Per MLP block (b x d in, up to 2d): gelu saves h, the product its two factors (the
         # sigmoid's result is one of them), down its input: 4 b x 2d fp32 = 32bd B; plus the
         # output and the input gradients, 4bd each.
-        self.assertEqual(bench.block_working_set(model, x, bench.blocks_of(model, case)), 40 * 8 * 4)
+        self.assertEqual(block_working_set(model, x, blocks_of(model, case)), 40 * 8 * 4)
 
 
 class TestBudgetRows(TestCase):
     def test_case_json_round_trip(self) -> None:
-        for case in (bench.Case(), bench.Case(mode="budget", budget=0.5), bench.Case(mode="stock-budget", budget=0.3)):
+        for case in (Case(), Case(mode="budget", budget=0.5), Case(mode="stock-budget", budget=0.3)):
             with self.subTest(case.label):
-                self.assertEqual(bench.Case(**json.loads(json.dumps(dataclasses.asdict(case)))), case)
+                self.assertEqual(Case(**json.loads(json.dumps(dataclasses.asdict(case)))), case)
         # JSON written before the field existed.
-        old = {k: v for k, v in dataclasses.asdict(bench.Case(mode="ours")).items() if k != "budget"}
-        self.assertEqual(bench.Case(**old).label, "mlp8 aot_eager bf16 ours")
-        self.assertIsNone(bench.Case(**old).budget)
+        old = {k: v for k, v in dataclasses.asdict(Case(mode="ours")).items() if k != "budget"}
+        self.assertEqual(Case(**old).label, "mlp8 aot_eager bf16 ours")
+        self.assertIsNone(Case(**old).budget)
 
     def test_labels_and_validation(self) -> None:
-        self.assertEqual(bench.Case(mode="budget", budget=0.5).label, "mlp8 aot_eager budget 0.5 budget")
-        self.assertEqual(bench.Case(mode="stock-budget", budget=0.5).label, "mlp8 aot_eager amb 0.5 stock-budget")
-        self.assertEqual(bench.Case(mode="no-hooks").label, "mlp8 aot_eager - no-hooks")
+        self.assertEqual(Case(mode="budget", budget=0.5).label, "mlp8 aot_eager budget 0.5 budget")
+        self.assertEqual(Case(mode="stock-budget", budget=0.5).label, "mlp8 aot_eager amb 0.5 stock-budget")
+        self.assertEqual(Case(mode="no-hooks").label, "mlp8 aot_eager - no-hooks")
         for kwargs in (dict(mode="budget"), dict(mode="ours", budget=0.5), dict(mode="budget", budget=1.5),
                        dict(mode="stock-budget", budget=0.0)):
             with self.subTest(**kwargs), self.assertRaises(ValueError):
-                bench.Case(**kwargs)
+                Case(**kwargs)
 
     def test_cases_for(self) -> None:
-        cases = bench.cases_for(
+        cases = cases_for(
             models=["mlp8"], backends=["aot_eager"], hooks=["fp8_rowwise"], modes=["ours"], budgets=[0.3, 0.7], steps=2
         )
         self.assertEqual(
@@ -204,26 +211,33 @@ class TestBudgetRows(TestCase):
             ],
         )
         self.assertEqual({c.steps for c in cases}, {2})
-        self.assertEqual(bench._fractions("0.3,0.5,0.7"), (0.3, 0.5, 0.7))
+        self.assertEqual(_fractions("0.3,0.5,0.7"), (0.3, 0.5, 0.7))
         for bad in ("0", "0.5,1.2", "half"):
             with self.subTest(bad), self.assertRaises(argparse.ArgumentTypeError):
-                bench._fractions(bad)
+                _fractions(bad)
 
-    def test_plan_lines_summed(self) -> None:
+    def test_decisions_summed(self) -> None:
         from torch_patches import _logging as tp_logging
 
         logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
-        with bench._BudgetPlan.recording() as plan:
+        with recording_decisions() as decisions:
             logger.debug("budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms", "fw", "a", "b", 7, 0.1)
             logger.debug("budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s",
                          "graph 0", 300, 1000, 500, 450, "backward node mm", 0.5, "met")
             logger.debug("budget plan (graph 1): 200 B planned of 400 B saved, budget 200 B")
+            logger.debug("saved %s left unhooked: %s", "mul_3 (float32[4, 8] on cpu, 128 B, from aten.mul.Tensor)",
+                         "not selected by where=numerics_safe (tolerates exact; backward consumers: mm)")
+            logger.debug("saved %s left unhooked: %s", "x (float32[4, 8] on cpu, 64 B, a graph input)",
+                         "unused by the backward")
         logger.debug("budget plan (graph 2): 1 B planned of 1 B saved, budget 1 B")  # not recording
-        self.assertEqual((plan.graphs, plan.planned, plan.saved, plan.budget), (2, 500, 1400, 700))
+        self.assertEqual(
+            (decisions.plan_graphs, decisions.planned, decisions.saved, decisions.budget), (2, 500, 1400, 700)
+        )
+        self.assertEqual(decisions.kept_bytes, 128)  # only the tensor a select predicate rejected
 
     def test_table(self) -> None:
         def row(mode: str, budget: float | None, peak: int, step_s: float, saved: int, **extra: object) -> dict:
-            case = bench.Case(mode=mode, budget=budget, hook="-" if budget else "bf16")
+            case = Case(mode=mode, budget=budget, hook="-" if budget else "bf16")
             return {
                 "case": dataclasses.asdict(case), "label": case.label, "peak_bytes": peak, "step_s": step_s,
                 "step_min_s": step_s, "compile_s": 1.0, "frames_compiled": 1, "kept_bytes": None,
@@ -235,12 +249,12 @@ class TestBudgetRows(TestCase):
             row("no-hooks", None, 40 * mib, 0.010, 32 * mib),
             row("budget", 0.5, 30 * mib, 0.015, 16 * mib, plan_bytes=16 * mib, floor_bytes=-mib // 2),
             row("stock-budget", 0.5, 20 * mib, 0.020, 12 * mib),
-            {"case": dataclasses.asdict(bench.Case(mode="budget", budget=0.7)), "label": "x", "error": ["E: e"]},
+            {"case": dataclasses.asdict(Case(mode="budget", budget=0.7)), "label": "x", "error": ["E: e"]},
         ]
-        bench.add_ratios(results)
+        add_ratios(results)
         self.assertAlmostEqual(results[1]["peak_ratio"], 0.75)
         self.assertAlmostEqual(results[2]["time_ratio"], 2.0)
-        lines = bench.format_table(results).splitlines()
+        lines = format_table(results).splitlines()
         header = lines[0].split()
         self.assertEqual(header[-6:], ["saved", "MiB", "plan", "MiB", "floor", "MiB"])
         base, ours, stock, err = (line.split() for line in lines[2:])

@@ -28,7 +28,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd import activation_budget as ab
-from torch_patches.bench import Case, block_working_set, blocks_of, build_model, example_input, saved_bytes
+from torch_patches.bench.case import Case
+from torch_patches.bench.measure import block_working_set, saved_bytes
+from torch_patches.bench.models import blocks_of, build_model, example_input
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
 from torch_patches.testing import (
@@ -674,7 +676,8 @@ class TestBudgetOnModels(BudgetTestCase):
     def check_budgets(self, name, device, fractions, backend="aot_eager", unreachable=(), **kw):
         model, x = _model(name, device, **kw)
         # The issue's working-set margin: what a budget cannot remove (the parameters'
-        # gradients) and the one block whose backward runs at a time (bench.block_working_set).
+        # gradients) and the one block whose backward runs at a time
+        # (bench.measure.block_working_set).
         margin = sum(p.numel() * p.element_size() for p in model.parameters()) + block_working_set(
             model, x, blocks_of(model, Case(model=name, device=device, **kw))
         )

@@ -23,7 +23,7 @@ import unittest
 import pytest
 import torch
 
-from torch_patches import convergence as cv
+from torch_patches.bench import convergence as cv, convergence_report as report
 from torch_patches.testing import TestCase
 
 
@@ -82,7 +82,7 @@ class TestTrainBenchPieces(unittest.TestCase):
             {"row": "fp8_rowwise", "seeds": run({"0": 2.2, "1": 4.0}, 60, 12.0), "warnings": ["w"]},
             {"row": "bf16", "error": "boom"},
         ]
-        rows = cv.summarize(results)
+        rows = report.summarize(results)
         self.assertEqual(rows[0]["change"], (0.0, 0.0, 0.0))
         mean, lo, hi = rows[1]["change"]
         self.assertAlmostEqual(mean, 0.05)
@@ -91,7 +91,7 @@ class TestTrainBenchPieces(unittest.TestCase):
         self.assertAlmostEqual(rows[1]["peak_x"], 0.6)
         self.assertAlmostEqual(rows[1]["time_x"], 1.2)
         self.assertEqual(rows[2]["error"], "boom")
-        table = cv.format_table(cv.TrainConfig(), rows)
+        table = report.format_table(cv.TrainConfig(), rows)
         self.assertIn("| fp8_rowwise | 2.000 | 3.100 | +5.00% [+0.0, +10.0] | 0.0 | 0.60 | 12 | 1.20 |", table)
         self.assertIn("warning, fp8_rowwise: w", table)
 
@@ -151,7 +151,7 @@ class TestConvergence(TestCase):
         e5m2 = "fp8_rowwise(dtype=torch.float8_e5m2)"
         names = ("compiled", "fp8_rowwise", e5m2, f"{e5m2}:all")
         results = [cv.run_row(CONVERGENCE, cv.Row.parse(row), seeds) for row in names]
-        rows = {r["row"]: r for r in cv.summarize(results)}
+        rows = {r["row"]: r for r in report.summarize(results)}
         gaps = {name: rows[name]["change"][0] for name in rows}
         self.assertLessEqual(gaps["fp8_rowwise"], GAP_BOUND, gaps)
         self.assertLessEqual(gaps[e5m2], GAP_BOUND, gaps)

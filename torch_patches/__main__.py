@@ -44,7 +44,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch.fx
 
     import torch_patches
-    from torch_patches import bench
+    from torch_patches.bench.case import Case
+    from torch_patches.bench.report import format_table
+    from torch_patches.bench.run import _cast_hooks, run_all
     from torch_patches.testing import AotEagerAndRecordGraphs, normalize_graph
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"torch {torch.__version__} on {device}; {len(torch_patches.applied_patches())} patches applied\n")
 
     # 1. A small MLP with GraphModule saved-tensor hooks, graphs printed.
-    pack, unpack = bench._cast_hooks(torch.bfloat16)
+    pack, unpack = _cast_hooks(torch.bfloat16)
     pack_gm, unpack_gm = torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -77,13 +79,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         common.update(batch=4096, dim=1024)
     cases = [
-        bench.Case(backend=args.backend, mode=mode, **common)  # type: ignore[arg-type]
+        Case(backend=args.backend, mode=mode, **common)  # type: ignore[arg-type]
         for mode in ("no-hooks", "stock-inline", "ours")
     ]
     what = "RSS high-water mark of one step" if device == "cpu" else "max_memory_allocated of one step"
     print(f"\nPeak memory ({what}), 8-block MLP, backend={args.backend}, {args.hook} hooks:")
-    results = bench.run_all(cases, progress=False)
-    print(textwrap.indent(bench.format_table(results), "  "))
+    results = run_all(cases, progress=False)
+    print(textwrap.indent(format_table(results), "  "))
     return 1 if any("error" in r for r in results) else 0
 
 

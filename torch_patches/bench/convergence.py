@@ -51,12 +51,17 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+from torch_patches.bench.convergence_report import format_table, plot, summarize
+from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss
+
 
 #: The rows of a default run.
 DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
 #: The ready-made hooks a row may name.
 HOOKS = ("bf16", "fp8_rowwise", "int8_rowwise")
 VOCAB = 256  # bytes
+#: The models a run may name (Hugging Face, built from configs).
+MODELS = LANGUAGE_MODELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,54 +149,14 @@ def eval_batches(data: Any, cfg: TrainConfig) -> Any:
 # ------------------------------------------------------------------------- models
 
 
-def _llama(cfg: TrainConfig) -> Any:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=cfg.dim, intermediate_size=_mlp_dim(cfg.dim),
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-        max_position_embeddings=cfg.seq, attn_implementation="sdpa", tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _gpt2(cfg: TrainConfig) -> Any:
-    import transformers
-
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=cfg.dim, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _mlp_dim(dim: int) -> int:
-    """Llama's MLP width: 8/3 of the hidden size, a multiple of 32."""
-    return max(32, (8 * dim // 3 + 31) // 32 * 32)
-
-
-MODELS = {"llama": _llama, "gpt2": _gpt2}
-
-
 def build(cfg: TrainConfig) -> Any:
-    """The model of ``cfg``: a module mapping token ids to the mean next-token loss."""
-    import torch
-
+    """The model of ``cfg`` (:mod:`torch_patches.bench.models`): a module mapping token ids to
+    the mean next-token loss."""
     try:
-        lm = MODELS[cfg.model](cfg)
+        lm = MODELS[cfg.model](vocab=VOCAB, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
     except ImportError as e:
         raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
-
-    class CausalLMLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids: Any) -> Any:
-            return self.lm(input_ids=ids, labels=ids).loss
-
-    return CausalLMLoss()
+    return causal_lm_loss(lm)
 
 
 # ---------------------------------------------------------------------------- rows
@@ -227,7 +192,7 @@ class Row:
 
         match = re.fullmatch(r"(eager\+)?(\w+)(?:\((.*)\))?(:all)?", name)
         if match is None or match.group(2) not in HOOKS:
-            raise ValueError(f"unknown row {name!r} (module docstring of torch_patches.convergence)")
+            raise ValueError(f"unknown row {name!r} (module docstring of torch_patches.bench.convergence)")
         kwargs = []
         for item in filter(None, (match.group(3) or "").split(",")):
             key, _, value = item.partition("=")
@@ -363,118 +328,13 @@ def run_in_subprocess(
     with tempfile.TemporaryDirectory(prefix="torch_patches_train_") as cache_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # every row compiles with its own cache
         proc = subprocess.run(
-            [sys.executable, "-m", "torch_patches.convergence", "--worker", payload],
+            [sys.executable, "-m", "torch_patches.bench.convergence", "--worker", payload],
             capture_output=True, text=True, env=env, timeout=timeout,
         )
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
         return {"row": row, "error": " | ".join(tail)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-# ------------------------------------------------------------------------ summary
-
-
-def final_train(losses: list[float]) -> float:
-    """The mean of the last tenth of the steps' losses."""
-    tail = losses[-max(1, len(losses) // 10) :]
-    return statistics.fmean(tail)
-
-
-def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> list[dict[str, Any]]:
-    """Per row: means over seeds, and the eval-loss change against ``reference`` of the
-    same seed (mean, min, max), peak and step time as ratios of the reference's."""
-    ref = next((r for r in results if r["row"] == reference and "seeds" in r), None)
-    rows = []
-    for r in results:
-        if "seeds" not in r:
-            rows.append({"row": r["row"], "error": r.get("error", "no result")})
-            continue
-        seeds = r["seeds"]
-        evals = {s: v["eval"][-1][1] for s, v in seeds.items()}
-        entry: dict[str, Any] = {
-            "row": r["row"],
-            "seeds": len(seeds),
-            "train": statistics.fmean(final_train(v["train"]) for v in seeds.values()),
-            "eval": statistics.fmean(evals.values()),
-            "peak_bytes": statistics.fmean(v["peak_bytes"] for v in seeds.values() if v["peak_bytes"]),
-            "step_ms": statistics.fmean(v["step_ms"] for v in seeds.values()),
-            "warnings": r.get("warnings", []),
-        }
-        if ref is not None:
-            common = [s for s in evals if s in ref["seeds"]]
-            changes = [evals[s] / ref["seeds"][s]["eval"][-1][1] - 1 for s in common]
-            if changes:
-                entry["change"] = (statistics.fmean(changes), min(changes), max(changes))
-            ref_peak = statistics.fmean(v["peak_bytes"] for v in ref["seeds"].values() if v["peak_bytes"])
-            ref_ms = statistics.fmean(v["step_ms"] for v in ref["seeds"].values())
-            entry["peak_x"] = entry["peak_bytes"] / ref_peak
-            entry["time_x"] = entry["step_ms"] / ref_ms
-        rows.append(entry)
-    return rows
-
-
-def format_table(cfg: TrainConfig, rows: list[dict[str, Any]]) -> str:
-    head = (f"| {cfg.model} | train loss | eval loss | eval vs compiled (mean [min, max]) "
-            f"| peak MiB | peak x | step ms | time x |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    notes = []
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | |")
-            continue
-        change = r.get("change")
-        text = "-" if change is None else f"{100 * change[0]:+.2f}% [{100 * change[1]:+.1f}, {100 * change[2]:+.1f}]"
-        lines.append(
-            f"| {r['row']} | {r['train']:.3f} | {r['eval']:.3f} | {text} | {r['peak_bytes'] / 2**20:.1f} "
-            f"| {r.get('peak_x', float('nan')):.2f} | {r['step_ms']:.0f} | {r.get('time_x', float('nan')):.2f} |"
-        )
-        notes.extend(f"{r['row']}: {w}" for w in r["warnings"])
-    return "\n".join(lines + [f"  warning, {n}" for n in notes])
-
-
-def plot(configs: list[TrainConfig], results: list[list[dict[str, Any]]], path: str) -> bool:
-    """Loss curves (train, smoothed; eval), mean over seeds, one column per model. False
-    without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(2, len(configs), figsize=(6.5 * len(configs), 8), squeeze=False)
-    for col, (cfg, rows) in enumerate(zip(configs, results)):
-        for r in rows:
-            if "seeds" not in r:
-                continue
-            runs = list(r["seeds"].values())
-            n = min(len(v["train"]) for v in runs)
-            train = [statistics.fmean(v["train"][i] for v in runs) for i in range(n)]
-            axes[0][col].plot(range(1, n + 1), _smooth(train), label=r["row"], linewidth=1)
-            points = min(len(v["eval"]) for v in runs)
-            xs = [runs[0]["eval"][i][0] for i in range(points)]
-            ys = [statistics.fmean(v["eval"][i][1] for v in runs) for i in range(points)]
-            axes[1][col].plot(xs, ys, marker="o", markersize=3, label=r["row"], linewidth=1)
-        for row, what in enumerate(("train loss (smoothed)", "eval loss (held-out text)")):
-            ax = axes[row][col]
-            ax.set_title(f"{cfg.model}: {what}, mean of {len(rows[0].get('seeds', {}))} seeds")
-            ax.set_xlabel("step")
-            ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return True
-
-
-def _smooth(values: list[float], alpha: float = 0.05) -> list[float]:
-    out, acc = [], values[0]
-    for v in values:
-        acc = alpha * v + (1 - alpha) * acc
-        out.append(acc)
-    return out
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -1,0 +1,156 @@
+"""The benchmarks' models and inputs, shared with the tests.
+
+* :func:`build_model` / :func:`example_input` / :func:`blocks_of`: the models of
+  ``python -m torch_patches bench`` (``mlp8``, ``transformer``, ``llama``), described by a
+  :class:`~torch_patches.bench.case.Case` (its ``model``, ``dim``, ``blocks``, ``batch`` and
+  ``device``).
+* :func:`hf_llama` / :func:`hf_gpt2` and :func:`causal_lm_loss`: Hugging Face causal language
+  models built from configs (random init, no download; they need ``transformers``), used by
+  the bench's ``llama`` and by ``bench --train`` (:mod:`torch_patches.bench.convergence`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch_patches.bench.case import Case
+
+
+# ------------------------------------------------------------ Hugging Face models
+
+
+def llama_mlp_dim(dim: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, a multiple of 32."""
+    return max(32, (8 * dim // 3 + 31) // 32 * 32)
+
+
+def hf_llama(*, vocab: int, dim: int, layers: int, heads: int, seq: int, mlp_dim: int | None = None) -> Any:
+    """``transformers.LlamaForCausalLM`` from a config: hidden ``dim``, ``layers`` layers,
+    ``heads`` attention (and key-value) heads, RoPE up to ``seq`` positions, SDPA, untied
+    embeddings; the MLP ``mlp_dim`` wide (default :func:`llama_mlp_dim`). Raises ImportError
+    without transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=llama_mlp_dim(dim) if mlp_dim is None else mlp_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=seq, attn_implementation="sdpa", tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_gpt2(*, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
+    """``transformers.GPT2LMHeadModel`` from a config, without dropout, SDPA. Raises
+    ImportError without transformers."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, n_positions=seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+#: Causal language models by name: builders taking ``vocab, dim, layers, heads, seq``.
+LANGUAGE_MODELS: dict[str, Callable[..., Any]] = {"llama": hf_llama, "gpt2": hf_gpt2}
+
+
+def causal_lm_loss(lm: Any) -> Any:
+    """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
+    ids, it returns the mean next-token loss."""
+    import torch
+
+    class CausalLMLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: Any) -> Any:
+            return self.lm(input_ids=ids, labels=ids).loss
+
+    return CausalLMLoss()
+
+
+# ------------------------------------------------------------------ bench models
+
+
+#: Tokens per sequence of the llama model (its RoPE angles reach this).
+LLAMA_SEQ = 256
+LLAMA_VOCAB = 4096
+
+
+def build_model(case: Case) -> Any:
+    import torch
+
+    d = case.dim
+
+    class Block(torch.nn.Module):
+        # A thin MLP block whose saved activations dominate memory.
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(d, 2 * d, bias=False)
+            self.down = torch.nn.Linear(2 * d, d, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            h = self.up(x)
+            h = torch.nn.functional.gelu(h) * h.sigmoid()
+            return x + self.down(h)
+
+    class TransformerBlock(torch.nn.Module):
+        def __init__(self, heads: int = 4) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1 = torch.nn.LayerNorm(d)
+            self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+            self.proj = torch.nn.Linear(d, d, bias=False)
+            self.norm2 = torch.nn.LayerNorm(d)
+            self.mlp = Block()
+
+        def forward(self, x: Any) -> Any:
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp(self.norm2(x))
+
+    if case.model == "llama":
+        return _llama(case)
+    if case.model == "mlp8":
+        return torch.nn.Sequential(*[Block() for _ in range(case.blocks)])
+    if case.model == "transformer":
+        return torch.nn.Sequential(*[TransformerBlock() for _ in range(case.blocks)])
+    raise ValueError(f"unknown model {case.model!r}")
+
+
+def _llama(case: Case) -> Any:
+    """Hugging Face Llama from a config (random init, no download; needs transformers):
+    hidden ``dim``, ``blocks`` layers, RoPE, SDPA. Called with token ids, returns the loss."""
+    try:
+        lm = hf_llama(vocab=LLAMA_VOCAB, dim=case.dim, layers=case.blocks, heads=4, seq=LLAMA_SEQ, mlp_dim=2 * case.dim)
+    except ImportError as e:
+        raise RuntimeError('--models llama needs transformers: pip install -e ".[models]"') from e
+    return causal_lm_loss(lm)
+
+
+def example_input(case: Case) -> Any:
+    import torch
+
+    if case.model == "llama":
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, LLAMA_VOCAB, (max(case.batch // LLAMA_SEQ, 1), LLAMA_SEQ), generator=gen)
+        return ids.to(case.device)
+    if case.model == "transformer":
+        seq = 128
+        return torch.randn(max(case.batch // seq, 1), seq, case.dim, device=case.device)
+    return torch.randn(case.batch, case.dim, device=case.device)
+
+
+def blocks_of(model: Any, case: Case) -> list[Any]:
+    """The repeated blocks of a bench model: the Sequential's children, Llama's decoder layers."""
+    if case.model == "llama":
+        return list(model.lm.model.layers)
+    return list(model)
