@@ -217,23 +217,41 @@ class TestBudgetRows(TestCase):
                 _fractions(bad)
 
     def test_decisions_summed(self) -> None:
-        from torch_patches import _logging as tp_logging
+        # Two graphs (a graph break), each planned by the budget; and a select predicate
+        # leaving one saved tensor unhooked.
+        import torch
 
-        logger = tp_logging.artifact_logger("torch._functorch._aot_autograd.graph_compile")
-        with recording_decisions() as decisions:
-            logger.debug("budget plan (%s): saved %s -> %s, %d B on device, est %.3f ms", "fw", "a", "b", 7, 0.1)
-            logger.debug("budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s",
-                         "graph 0", 300, 1000, 500, 450, "backward node mm", 0.5, "met")
-            logger.debug("budget plan (graph 1): 200 B planned of 400 B saved, budget 200 B")
-            logger.debug("saved %s left unhooked: %s", "mul_3 (float32[4, 8] on cpu, 128 B, from aten.mul.Tensor)",
-                         "not selected by where=numerics_safe (tolerates exact; backward consumers: mm)")
-            logger.debug("saved %s left unhooked: %s", "x (float32[4, 8] on cpu, 64 B, a graph input)",
-                         "unused by the backward")
-        logger.debug("budget plan (graph 2): 1 B planned of 1 B saved, budget 1 B")  # not recording
+        import torch_patches
+        from torch_patches.hooks import bf16, budget, select
+
+        torch_patches.apply()
+        self.addCleanup(torch_patches.unapply)
+
+        def two_graphs(x, w):
+            y = (x @ w).sigmoid()
+            torch._dynamo.graph_break()
+            return ((y @ w).sigmoid() @ w).sum()
+
+        x = torch.randn(64, 128, requires_grad=True)
+        w = torch.randn(128, 128, requires_grad=True)
+        torch._dynamo.reset()
+        with recording_decisions() as decisions, torch.autograd.graph.saved_tensors_hooks(*budget(0.5)):
+            torch.compile(two_graphs, backend="aot_eager")(x, w).backward()
+        plans = [p for c in decisions._compiled for p in c.plans]
+        self.assertEqual(decisions.plan_graphs, 2)
         self.assertEqual(
-            (decisions.plan_graphs, decisions.planned, decisions.saved, decisions.budget), (2, 500, 1400, 700)
+            (decisions.planned, decisions.saved, decisions.budget),
+            tuple(sum(getattr(p, f) for p in plans) for f in ("planned_bytes", "baseline_bytes", "budget_bytes")),
         )
-        self.assertEqual(decisions.kept_bytes, 128)  # only the tensor a select predicate rejected
+        self.assertLess(decisions.planned, decisions.saved)
+        self.assertEqual(decisions.kept_bytes, 0)
+        torch._dynamo.reset()
+        only_mm = select(*bf16(where=None), where=lambda info: info.producer == "aten.mm.default")
+        with recording_decisions() as decisions, torch.autograd.graph.saved_tensors_hooks(*only_mm):
+            torch.compile(lambda x, w: (x @ w).sigmoid().sum(), backend="aot_eager")(x, w).backward()
+        self.assertEqual(decisions.plan_graphs, 0)
+        self.assertEqual(decisions.kept_bytes, 64 * 128 * 4)  # the sigmoid's output, rejected
+        torch._dynamo.reset()
 
     def test_table(self) -> None:
         def row(mode: str, budget: float | None, peak: int, step_s: float, saved: int, **extra: object) -> dict:
