@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from torch_patches.bench.convergence import TrainConfig
+from typing import Any
 
 
 def final_train(losses: list[float]) -> float:
@@ -51,7 +48,8 @@ def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> lis
     return rows
 
 
-def format_table(cfg: TrainConfig, rows: list[dict[str, Any]]) -> str:
+def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
+    """The table of one model (``cfg``: its ``convergence.TrainConfig``)."""
     head = (f"| {cfg.model} | train loss | eval loss | eval vs compiled (mean [min, max]) "
             f"| peak MiB | peak x | step ms | time x |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -70,7 +68,7 @@ def format_table(cfg: TrainConfig, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [f"  warning, {n}" for n in notes])
 
 
-def plot(configs: list[TrainConfig], results: list[list[dict[str, Any]]], path: str) -> bool:
+def plot(configs: list[Any], results: list[list[dict[str, Any]]], path: str) -> bool:
     """Loss curves (train, smoothed; eval), mean over seeds, one column per model. False
     without matplotlib."""
     try:
