@@ -588,8 +588,6 @@ class TestAOTDispatchHooks(TestCase):
         pack_gm, unpack_gm = graph_hooks(
             pack_fp8, unpack_fp8, cache_hash=("pack_hash", "unpack_hash")
         )
-        logger_name = "torch._functorch._aot_autograd.graph_compile"
-
         def fn(x):
             x0 = x
             x = SaveX.apply(x)
@@ -604,19 +602,18 @@ class TestAOTDispatchHooks(TestCase):
                 if hooks
                 else contextlib.nullcontext()
             )
-            with ctx, self.assertLogs(logger_name, level="INFO") as captured:
+            with ctx:
                 out = torch.compile(fn, backend=rec, fullgraph=True, dynamic=False)(inp)
                 out[1].sum().backward()
-            logs = "\n".join(captured.output)
-            return [s for s in ("bw_donated_idxs=[]", "bw_donated_idxs=[0, 1]") if s in logs], rec
+            return rec.bw_donated_idxs, rec
 
         # 1. No donated buffers without hooks: relu saves the input, which is a user output.
         found, _ = donated_idxs(None)
-        self.assertEqual(found, ["bw_donated_idxs=[]"])
+        self.assertEqual(found, [[]])
         # 2. With hooks every saved tensor (input included, mode "no_static") is packed; the
         # packed tensors are new intermediates, so both are donated.
         found, rec = donated_idxs((pack_gm, unpack_gm))
-        self.assertEqual(found, ["bw_donated_idxs=[0, 1]"])
+        self.assertEqual(found, [[0, 1]])
         # Differs from upstream (no goldens): each pack right after its tensor's last forward
         # use, each unpack right before its first backward use.
         self.assertExpectedGraph(rec.fw_graphs[0], """\

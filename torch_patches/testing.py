@@ -207,15 +207,23 @@ class AotEagerAndRecordGraphs:
         self.graphs: list[fx.GraphModule] = []
         self.fw_graphs: list[fx.GraphModule] = []
         self.bw_graphs: list[fx.GraphModule] = []
+        #: Per forward graph, AOTAutograd's ``bw_donated_idxs`` (the saved tensors the
+        #: backward may reuse), from the compilation's ``ViewAndMutationMeta``.
+        self.bw_donated_idxs: list[list[int] | None] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.debugging import aot_eager
+        from torch._guards import TracingContext
 
         self.graphs.append(gm)
         roles = _RoleNamer(gm)
 
         def fw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
+            context = TracingContext.try_get()
+            meta = getattr(context, "fw_metadata", None)
+            donated = getattr(meta, "bw_donated_idxs", None)
+            self.bw_donated_idxs.append(None if donated is None else list(donated))
             self.fw_graphs.append(roles.mark(g, backward=False))
             return make_boxed_func(g.forward)
 
