@@ -21,8 +21,9 @@ an ``int`` number of bytes per compiled graph.  Entered inside a compiled region
 plans the saved tensors of its own scope (the per-scope form).  Which options are allowed:
 ``options`` (default :data:`OPTIONS`; offload only for CUDA tensors); lossy options only
 for tensors :func:`~torch_patches.hooks.select.numerics_safe` accepts.  The cost model and
-the solver are in ``torch_patches/_functorch/_aot_autograd/activation_budget.py`` and the
-README ("Activation memory budget").
+the solver are described in the package ``torch_patches/_functorch/_aot_autograd/activation_budget/``
+(``cost_model.py``, ``solver.py``, ``recompute.py``; ``planner.py`` applies the plans) and
+the README ("Activation memory budget").
 
 The plan is a compile-time decision: the pair's content (``memory``, ``options``) and
 torch_patches' config (the bandwidth knobs) are part of the compiled graph's guard and
@@ -47,7 +48,7 @@ __all__ = ["BUDGET_ATTR", "OPTIONS", "BudgetSpec", "budget", "unwrap_budget"]
 BUDGET_ATTR = "__torch_patches_budget__"
 
 #: Every option a plan may choose besides keeping the tensor: the storage options, least
-#: lossy first, then recomputing it in the backward (exact; see activation_budget.py).
+#: lossy first, then recomputing it in the backward (exact; see activation_budget/recompute.py).
 OPTIONS = ("bf16", "int8", "fp8", "offload", "fp8+offload", "recompute")
 
 

@@ -338,7 +338,10 @@ def _inline(
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.
     hookable, recomputed = activation_budget.apply_plans(
-        hookable, candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g, artifact, _describe_saved
+        hookable,
+        candidates,
+        activation_budget.GraphFacts(fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, _describe_saved),
+        artifact,
     )
     if allowed is not None:
         for saved, why in act_inputs.partially_hooked(saved_tensors, hookable, inputs).items():

@@ -188,3 +188,31 @@ def content_key(fn: Any) -> Any:
 
 def _digest(key: Any) -> str:
     return digest(key)
+
+
+def size_hint(s: Any) -> int:
+    """A symbolic size's example value (its hint); 8192 for one with none (unbacked).
+
+    Reading the hint never evaluates the expression, so it installs no guard."""
+    if isinstance(s, int):
+        return s
+    node = getattr(s, "node", None)
+    hint = getattr(node, "hint", None)
+    if isinstance(hint, int):
+        return hint
+    try:
+        return int(node.shape_env.size_hint(node.expr))  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - no hint (unbacked size)
+        return 8192
+
+
+def nbytes_of(node: torch.fx.Node) -> int:
+    """Bytes of the tensor ``node.meta["val"]``, symbolic sizes at their hints; 0 when it is
+    not a tensor."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    numel = 1
+    for s in val.shape:
+        numel *= size_hint(s)
+    return numel * val.element_size()
