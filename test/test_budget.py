@@ -451,7 +451,7 @@ class GraphModule(torch.nn.Module):
             calls.append(args[0].name)
             return real(*args, **kwargs)
 
-        with mock.patch.object(ab, "recompute_recipe", counting):
+        with mock.patch.object(ab.recompute, "recompute_recipe", counting):  # what with_recipes calls
             for memory in (1.0, 0.7):
                 torch._dynamo.reset()
                 with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=("fp8", "recompute"))):

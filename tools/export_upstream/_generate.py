@@ -169,6 +169,7 @@ class Exporter:
         self.state = _State()
         self._tp_sources: dict[str, Source] = {}
         self._up_sources: dict[str, Source] = {}
+        self._import_ranks: dict[str, int] = {}
 
     # ------------------------------------------------------------ sources
 
@@ -200,6 +201,27 @@ class Exporter:
             with open(os.path.join(self.tp_root, rel), encoding="utf-8") as f:
                 self._tp_sources[module] = Source(f.read(), module, rel.endswith("__init__.py"))
         return self._tp_sources[module]
+
+    def import_rank(self, module: str) -> int:
+        """How deep our ``module`` sits in our modules' top-level imports: 0 if it imports
+        none of ours, else one more than the deepest it imports.  Helpers moved from several
+        of our modules into one upstream file are written in this order (then by module and
+        line), the order Python runs them in: a definition never comes before one of another
+        module that it uses when it is defined (an annotation, a base class, a default)."""
+        if module not in self._import_ranks:
+            self._import_ranks[module] = 0  # an import cycle stops here
+            deps = set()
+            for b in self.tp_source(module).bindings.values():
+                if b.kind != "import" or b.type_checking or b.dotted is None or not _is_tp(b.dotted):
+                    continue
+                try:
+                    dep = self.resolve_tp(b.dotted)[0]
+                except ExportError:
+                    continue
+                if dep != module:
+                    deps.add(dep)
+            self._import_ranks[module] = max((self.import_rank(d) + 1 for d in sorted(deps)), default=0)
+        return self._import_ranks[module]
 
     def is_tp_module(self, dotted: str) -> bool:
         return (dotted == TP or dotted.startswith(TP + ".")) and module_relpath(self.tp_root, dotted) is not None
@@ -623,7 +645,8 @@ class _Job:
                 renames[name] = final
             text = self.emit(src, b.stmt, dest, rename_def=renames.get(name), store_renames=renames)
             is_knob = self.ex._is_config_module(tp_module)
-            order = (0 if self.ex.mirror_of(tp_module) is None else 1, tp_module, b.stmt.lineno)
+            rank = self.ex.import_rank(tp_module)
+            order = (0 if self.ex.mirror_of(tp_module) is None else 1, rank, tp_module, b.stmt.lineno)
             (fw.knobs if is_knob else fw.helpers).append((order, text))
             fw.bound.update(renames.get(n, n) for n in stmt_binds(b.stmt))
             self.added.append(f"{dest}:{final}")

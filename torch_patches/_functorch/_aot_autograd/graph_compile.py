@@ -344,21 +344,38 @@ def _select(candidates: list[records.SavedTensorRecord]) -> None:
 def _drop_partially_hooked(
     candidates: list[records.SavedTensorRecord], saved_tensors: list[fx.Node], inputs: dict[fx.Node, str | None]
 ) -> None:
-    hooked = [r.node for r in candidates if r.hooked]
-    reasons = act_inputs.partially_hooked(saved_tensors, hooked, inputs)
+    """``donated`` mode: leave unhooked what shares an activation input's storage with a
+    saved tensor left unhooked (packing it would not free the storage)."""
+    packed = [r.node for r in candidates if r.decision in (records.HOOKED, records.ALIAS)]
+    reasons = act_inputs.partially_hooked(saved_tensors, packed, inputs)
     for r in candidates:
         if r.node in reasons:
             r.leave("filter", reasons[r.node])
 
 
-def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
+def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
     """A hooked saved tensor that purely aliases (detach, alias) another hooked with the
     same hooks is not packed again: the backward reads the root's unpacked tensor."""
     aliases = graph_surgery.alias_roots({r.node: r.chosen for r in candidates if r.hooked})
     for r in candidates:
         if r.node in aliases:
             r.decision, r.decided_by, r.alias_of = records.ALIAS, "alias", aliases[r.node].name
-    return aliases
+
+
+def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
+    """The aliases that still share their root's packed form (alias -> root) once every
+    phase decided; an alias whose root is no longer hooked is packed on its own."""
+    by_name = {r.name: r for r in candidates}
+    out = {}
+    for r in candidates:
+        if r.decision != records.ALIAS:
+            continue
+        root = by_name[r.alias_of]
+        if root.hooked and root.chosen == r.chosen:
+            out[r.node] = root.node
+        else:
+            r.decision, r.alias_of = records.HOOKED, None
+    return out
 
 
 # ------------------------------------------------------------------------ driver
@@ -414,12 +431,14 @@ def _inline(
     _select(candidates)
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.
+    _mark_aliases(candidates)
     recomputed, compiled.plans = activation_budget.apply_plans(
-        candidates, saved_tensors, inputs, held, bw_inputs, fw_g, bw_g
+        candidates,
+        activation_budget.GraphFacts(fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, {r.node: r for r in candidates}),
     )
     if allowed is not None:
         _drop_partially_hooked(candidates, saved_tensors, inputs)
-    aliases = _mark_aliases(candidates)
+    aliases = _settle_aliases(candidates)
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}

@@ -1,0 +1,264 @@
+"""The budget's solver on its own (``activation_budget/solver.py``): pure, and the same
+plans as the straightforward algorithm it replaces.
+
+:func:`reference_solve` and :func:`reference_fit` are that algorithm (a fresh heap per
+point, every point's bytes summed over every storage: quadratic in the storages). The
+greedy that :func:`solver.fit` runs carries one heap from point to point and keeps the
+bytes per point in a segment tree; on many seeded random instances (ties in price, pins,
+transient bytes, options off the hull, refused steps) it must choose exactly what the
+reference chooses.  Its work on 1,200 storages is bounded by counting its heap and tree
+operations (no timing in unit tests).
+"""
+
+import ast
+import dataclasses
+import heapq
+import random
+from unittest import mock
+
+from torch._dynamo.test_case import run_tests
+
+from torch_patches._functorch._aot_autograd.activation_budget import solver
+from torch_patches.testing import TestCase
+
+
+Option, Choice, Plan, Span = solver.Option, solver.Choice, solver.Plan, solver.Span
+RECOMPUTE = solver.RECOMPUTE
+
+
+def reference_solve(choices, excess, among=None, allow=None):
+    """The greedy over a fresh heap (the algorithm before the incremental one)."""
+    heap = []
+    movable = set(range(len(choices)) if among is None else among)
+    pinned = {j for c in choices if c.chosen.name == RECOMPUTE for j in c.pins}
+
+    def step(i, pos):
+        c = choices[i]
+        nxt = c.options[pos]
+        saved, ms = c.chosen.device_bytes - nxt.device_bytes, nxt.ms - c.chosen.ms
+        if nxt.name == RECOMPUTE:
+            undone = [j for j in c.pins if j not in pinned]
+            saved -= sum(choices[j].nbytes - choices[j].chosen.device_bytes for j in undone if j in movable)
+            ms -= sum(choices[j].chosen.ms for j in undone)
+        if saved <= 0:
+            return None
+        return ms / saved, saved
+
+    def push(i):
+        if i in pinned or i not in movable:
+            return
+        c = choices[i]
+        pos = c.options.index(c.chosen) + 1
+        found = step(i, pos) if pos < len(c.options) else None
+        if found is not None:
+            heapq.heappush(heap, (found[0], -found[1], i, pos))
+
+    for i in sorted(movable):
+        push(i)
+    while excess > 0 and heap:
+        slope, neg_saved, i, pos = heapq.heappop(heap)
+        c = choices[i]
+        if i in pinned or c.options.index(c.chosen) + 1 != pos:
+            continue
+        now = step(i, pos)
+        if now is None or (allow is not None and not allow(i, pos)):
+            continue
+        if (now[0], -now[1]) > (slope, neg_saved):
+            heapq.heappush(heap, (now[0], -now[1], i, pos))
+            continue
+        c.chosen = c.options[pos]
+        if c.chosen.name == RECOMPUTE:
+            for j in c.pins:
+                choices[j].chosen = choices[j].keep
+                pinned.add(j)
+        excess -= now[1]
+        push(i)
+
+
+def reference_fit(result):
+    """Each point from the latest, a fresh :func:`reference_solve` over its storages."""
+    points = result.points
+    for k in range(len(points) - 1, -1, -1):
+        point = points[k]
+        excess = result.live(point) - result.budget_bytes
+        among = [i for i, c in enumerate(result.choices) if c.span.first > point]
+        if excess <= 0 or not among:
+            continue
+        later = points[k:]
+
+        def allow(i, pos, later=later):
+            c = result.choices[i]
+            if c.options[pos].name != RECOMPUTE:
+                return True
+            before = [result.live(p) for p in later]
+            undo = [(c, c.chosen)] + [(result.choices[j], result.choices[j].chosen) for j in c.pins]
+            c.chosen = c.options[pos]
+            for j in c.pins:
+                result.choices[j].chosen = result.choices[j].keep
+            after = [result.live(p) for p in later]
+            for choice, chosen in undo:
+                choice.chosen = chosen
+            return all(a <= max(b, result.budget_bytes) for a, b in zip(after, before))
+
+        reference_solve(result.choices, excess, among, allow)
+
+
+def random_plan(seed, n=None, recompute=0.3):
+    """A plan of up to 24 storages on a short backward (many storages share a first use),
+    sizes and times from small sets (many ties in price), some options off the hull."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 25) if n is None else n
+    horizon = rng.randrange(1, 12)
+    choices = []
+    for i in range(n):
+        nbytes = rng.choice((0, 100, 200, 400, 800, 1600)) if rng.random() < 0.9 else rng.randrange(0, 5000)
+        options = [Option("keep", nbytes, 0.0)]
+        for name in rng.sample(("bf16", "int8", "fp8", "offload", "fp8+offload"), rng.randrange(0, 4)):
+            options.append(Option(name, rng.choice((0, nbytes // 4, nbytes // 2, nbytes)), rng.choice((0.0, 0.5, 1.0, 2.0))))
+        pins = ()
+        if i and rng.random() < recompute:
+            options.append(Option(RECOMPUTE, 0, rng.choice((0.0, 0.5, 1.0, 3.0))))
+            pins = tuple(rng.sample(range(n), rng.randrange(0, min(n, 4))))
+            pins = tuple(j for j in pins if j != i)
+        if rng.random() < 0.8:  # what the planner gives the solver: the lower hull, keep first
+            options = solver._on_hull(Choice(None, "", nbytes, options, options[0])).options
+        first = rng.randrange(0, horizon + 1)
+        span = Span(first, first + rng.randrange(0, 4))
+        transient = rng.choice((0, 0, 100, 1000)) if any(o.name == RECOMPUTE for o in options) else 0
+        chosen = options[0]
+        if rng.random() < 0.05:  # started part of the way (recompute included)
+            chosen = options[rng.randrange(len(options))]
+        choices.append(Choice([f"t{i}"], f"t{i}", nbytes, options, chosen, pins=pins, span=span, transient=transient))
+    fixed = tuple(
+        (Span(f, f + rng.randrange(-1, 3)), rng.choice((100, 500))) for f in rng.sample(range(horizon + 2), rng.randrange(0, 3))
+    )
+    result = Plan("t", None, sum(c.nbytes for c in choices), sum(b for _, b in fixed), 0, choices, fixed)
+    result.budget_bytes = int(result.peak[0] * rng.choice((0.0, 0.3, 0.5, 0.7, 0.9, 1.0)))
+    return result
+
+
+def copied(result):
+    return dataclasses.replace(result, choices=[dataclasses.replace(c) for c in result.choices])
+
+
+class TestSolverMatchesReference(TestCase):
+    def test_fit_chooses_what_the_reference_chooses(self):
+        for seed in range(1500):
+            with self.subTest(seed=seed):
+                mine, theirs = random_plan(seed), random_plan(seed)
+                solver.fit(mine)
+                reference_fit(theirs)
+                self.assertEqual([c.chosen for c in mine.choices], [c.chosen for c in theirs.choices])
+                self.assertEqual(mine.peak, theirs.peak)
+
+    def test_solve_chooses_what_the_reference_chooses(self):
+        for seed in range(1500):
+            with self.subTest(seed=seed):
+                rng = random.Random(-seed)
+                mine, theirs = random_plan(seed), random_plan(seed)
+                n = len(mine.choices)
+                among = sorted(rng.sample(range(n), rng.randrange(0, n + 1))) if rng.random() < 0.5 else None
+                refused = {(rng.randrange(n), rng.randrange(1, 4)) for _ in range(rng.randrange(0, 3))}
+                allow = (lambda i, pos, refused=refused: (i, pos) not in refused) if refused else None
+                excess = rng.randrange(0, max(1, mine.live(-1)) + 1)
+                solver.solve(mine.choices, excess, among, allow)
+                reference_solve(theirs.choices, excess, among, allow)
+                self.assertEqual([c.chosen for c in mine.choices], [c.chosen for c in theirs.choices])
+
+    def test_timeline_is_live_at_each_point(self):
+        for seed in range(300):
+            result = random_plan(seed)
+            points, values = result.timeline()
+            self.assertEqual(values, [result.live(p) for p in points])
+            self.assertEqual(result.peak, max(((result.live(p), p) for p in points), key=lambda bp: (bp[0], -bp[1])))
+
+    def test_the_model_sizes_match_too(self):
+        # Fewer instances, each as large as a 40-layer model's saved storages.
+        for seed in range(4):
+            mine, theirs = random_plan(seed, n=300), random_plan(seed, n=300)
+            solver.fit(mine)
+            reference_fit(theirs)
+            self.assertEqual([c.chosen for c in mine.choices], [c.chosen for c in theirs.choices])
+
+
+def large_plan(n, seed=0, recompute=False):
+    """``n`` storages over a backward of ``4n`` nodes, keep / bf16 / fp8 (and recompute)."""
+    rng = random.Random(seed)
+    choices = []
+    for i in range(n):
+        nbytes = rng.randrange(1000, 100000)
+        options = [Option("keep", nbytes, 0.0), Option("bf16", nbytes // 2, nbytes * 1e-5 + 0.01)]
+        options.append(Option("fp8", nbytes // 4, nbytes * 2e-5 + 0.015))
+        pins = ()
+        if recompute and i and rng.random() < 0.3:
+            options.append(Option(RECOMPUTE, 0, nbytes * 3e-5 + 0.02))
+            pins = tuple(sorted(rng.sample(range(i), min(i, rng.randrange(0, 3)))))
+        first = rng.randrange(0, 4 * n)
+        span = Span(first, first + rng.randrange(0, 50))
+        choice = solver._on_hull(Choice([i], f"t{i}", nbytes, options, options[0], pins=pins, span=span))
+        choice.transient = rng.randrange(0, nbytes) if recompute else 0
+        choices.append(choice)
+    baseline = sum(c.nbytes for c in choices)
+    return Plan("t", None, baseline, 0, int(baseline * 0.05), choices)
+
+
+class TestSolverWork(TestCase):
+    def test_fit_of_1200_storages_is_about_linear(self):
+        # The reference does a heap of every storage first used after each point and sums
+        # every storage at each point: over 1,200 ** 2 steps. The greedy pushes and pops
+        # each storage's steps a few times and updates the timeline once per move.
+        result = large_plan(1200)
+        work = solver.fit(result)
+        moves = sum(c.options.index(c.chosen) for c in result.choices)
+        self.assertEqual(moves, 2 * 1200)  # unreachable (5%): every storage at fp8
+        self.assertLess(work, 10 * 1200)
+
+    def test_refused_recomputes_cost_a_retry_per_point(self):
+        # A recompute step refused at one point is tried again at each earlier one (what
+        # the reference does too, each try summing every storage at every later point):
+        # here that is the work, at a few heap and timeline operations per try.
+        result = large_plan(1200, recompute=True)
+        tries = []
+        greedy_run = solver._Greedy.run
+
+        def counting(greedy, excess, allow=None):
+            def counted(i, pos):
+                tries.append(i)
+                return allow(i, pos)
+
+            return greedy_run(greedy, excess, counted)
+
+        with mock.patch.object(solver._Greedy, "run", counting):
+            work = solver.fit(result)
+        self.assertLess(work, 4 * len(tries) + 10 * 1200)
+
+    def test_solvers_by_name(self):
+        self.assertIs(solver.SOLVERS["greedy"], solver.greedy_fit)
+        result = large_plan(20)
+        with self.assertRaises(KeyError):
+            solver.fit(result, "exact")
+
+
+class TestSolverIsPure(TestCase):
+    def test_imports_neither_torch_nor_fx(self):
+        with open(solver.__file__) as f:
+            tree = ast.parse(f.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(node.module or "")
+        self.assertEqual({m for m in imported if m.startswith(("torch", "torch_patches"))}, set())
+
+    def test_members_are_opaque(self):
+        # Any member list: the solver never looks into it.
+        result = large_plan(30)
+        for c in result.choices:
+            c.members = (object(),)
+        solver.fit(result)
+        self.assertTrue(result.met or result.peak[0] > result.budget_bytes)
+
+
+if __name__ == "__main__":
+    run_tests()

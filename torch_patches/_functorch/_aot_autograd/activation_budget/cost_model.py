@@ -1,0 +1,177 @@
+"""The budget's cost model: the bytes and time of each storage option of a saved tensor,
+and the compute time of graph nodes, from the graphs' metadata and config knobs (no
+measurement).  Reads fx graphs; the :class:`Option` it prices (and ``LOSS``, how lossy each
+option is) are the solver's data types, defined in :mod:`.solver` and exported here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from torch_patches import _numerics, config
+from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
+from torch_patches._functorch._aot_autograd.utils import size_hint
+
+
+__all__ = [
+    "KEEP", "LOSS", "RECOMPUTE", "Option", "Rates", "graph_compute_ms", "lossy_tolerance", "options_for", "windows",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """The machine the cost model assumes (config knobs, or defaults per device type)."""
+
+    memory_bytes_per_ms: float
+    host_bytes_per_ms: float
+    flops_per_ms: float
+    kernel_ms: float
+
+    @staticmethod
+    def for_device(device: torch.device) -> Rates:
+        cuda = device.type == "cuda"
+
+        def knob(value: float | None, cpu: float, gpu: float) -> float:
+            return float(value if value is not None else (gpu if cuda else cpu))
+
+        host = config.activation_budget_host_bandwidth
+        if host is None:
+            # torch's offload bandwidth knob (torch >= 2.12; its default, 50 GB/s, before).
+            host = getattr(torch._functorch.config, "activation_offload_cpu_gpu_bw", 50.0)
+        return Rates(
+            memory_bytes_per_ms=knob(config.activation_budget_memory_bandwidth, 20.0, 2000.0) * 1e6,
+            host_bytes_per_ms=float(host) * 1e6,
+            flops_per_ms=knob(config.activation_budget_flops, 0.2, 400.0) * 1e9,
+            kernel_ms=knob(config.activation_budget_kernel_overhead_us, 2.0, 5.0) * 1e-3,
+        )
+
+
+# ------------------------------------------------------------------------- options
+
+
+def options_for(
+    val: torch.Tensor, nbytes: int, allowed: tuple[str, ...], tolerance: str, window: tuple[float, float], rates: Rates
+) -> list[Option]:
+    """Every allowed option for one saved tensor with its bytes and time (keep first).
+    ``tolerance``: the lossiest storage the numerics allowlist accepts for it."""
+    s = val.element_size()
+    n = nbytes // max(s, 1)
+    rows = n // max(size_hint(val.shape[-1]), 1) if val.dim() else 1  # symbolic: its hint
+    out = [Option(KEEP, nbytes, 0.0)]
+    if not val.is_floating_point() or n == 0:
+        return out
+    bw, k = rates.memory_bytes_per_ms, rates.kernel_ms
+    fp8_bytes = n + 4 * rows
+    fp8_ms = (3 * n * s + 2 * n + 8 * rows) / bw + 3 * k
+    cuda = val.device.type == "cuda"
+
+    def exposed(copy_bytes: int) -> float:
+        one_way = copy_bytes / rates.host_bytes_per_ms
+        fw_window, bw_window = window
+        return max(0.0, one_way - fw_window) + max(0.0, one_way - bw_window) + 2 * k
+
+    bf16_ok = _numerics.tolerates(tolerance, _numerics.BF16)
+    int8_ok = _numerics.tolerates(tolerance, _numerics.INT8)
+    fp8_ok = _numerics.tolerates(tolerance, _numerics.FP8)
+    if bf16_ok and "bf16" in allowed and s > 2:
+        out.append(Option("bf16", 2 * n, (2 * n * s + 4 * n) / bw + 2 * k))
+    if int8_ok and "int8" in allowed and s > 1:
+        out.append(Option("int8", fp8_bytes, fp8_ms))  # the same passes, rounding to integers
+    if fp8_ok and "fp8" in allowed and s > 1:
+        out.append(Option("fp8", fp8_bytes, fp8_ms))
+    if cuda and "offload" in allowed:
+        out.append(Option("offload", 0, exposed(nbytes)))
+    if cuda and fp8_ok and "fp8+offload" in allowed and s > 1:
+        out.append(Option("fp8+offload", 0, fp8_ms + exposed(fp8_bytes)))
+    return out
+
+
+def lossy_tolerance(info: Any) -> str:
+    """The lossiest storage ``numerics_safe`` accepts for a saved tensor (the allowlist's
+    tolerance, and the size rule): one of ``_numerics.LEVELS``."""
+    from torch_patches.hooks.select import numerics_safe
+
+    for level in reversed(_numerics.LEVELS[1:]):
+        if numerics_safe(info, level):
+            return level
+    return _numerics.EXACT
+
+
+# ------------------------------------------------------------------ compute per node
+
+
+def _hinted(value: Any) -> Any:
+    """``value`` with every symbolic size replaced by its hint: a meta tensor for a tensor.
+
+    The estimates must never touch a symbolic expression: evaluating one (``float()``, a
+    comparison) installs a guard on the graph's shapes, and a dynamic-shape graph would
+    recompile at every new size."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty([size_hint(d) for d in value.shape], dtype=value.dtype, device="meta")
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return size_hint(value)
+    return value
+
+
+def _node_ms(node: fx.Node, rates: Rates) -> float:
+    """The node's compute: ``max(flops / flops rate, bytes moved / memory bandwidth)``."""
+    if node.op != "call_function":
+        return 0.0
+    vals = [_hinted(a.meta.get("val")) for a in node.all_input_nodes]
+    out = pytree.tree_map(_hinted, node.meta.get("val"))
+    moved = sum(v.numel() * v.element_size() for v in pytree.tree_leaves((vals, out)) if isinstance(v, torch.Tensor))
+    return max(_flops(node) / rates.flops_per_ms, moved / rates.memory_bytes_per_ms)
+
+
+def _flops(node: fx.Node) -> float:
+    """``torch.utils.flop_counter``'s formula for the node's op, at the sizes' hints (0
+    without one)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0.0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map(_hinted, (args, kwargs))
+    try:
+        return float(formula(*args, **kwargs, out_val=pytree.tree_map(_hinted, node.meta.get("val"))))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments: no estimate
+        return 0.0
+
+
+def graph_compute_ms(fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates) -> float:
+    """The cost model's time of the forward and backward graphs' compute."""
+    return sum(_node_ms(n, rates) for g in (fw_g, bw_g) for n in g.nodes)
+
+
+# ----------------------------------------------------------------- offload overlap
+
+
+def windows(
+    saved: list[fx.Node], bw_inputs: dict[str, fx.Node], fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates
+) -> dict[fx.Node, tuple[float, float]]:
+    """Per saved tensor: the forward compute after its last use, and the compute of the
+    ``reload_prefetch_distance`` backward nodes before its first use (what hides a copy)."""
+    fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
+    fw_ms = [_node_ms(n, rates) for n in fw_nodes]
+    bw_ms = [_node_ms(n, rates) for n in bw_nodes]
+    fw_pos = {n: i for i, n in enumerate(fw_nodes)}
+    bw_pos = {n: i for i, n in enumerate(bw_nodes)}
+    suffix = [0.0] * (len(fw_nodes) + 1)
+    for i in range(len(fw_nodes) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + fw_ms[i]
+    distance = max(config.unpack_prefetch_distance, config.reload_prefetch_distance)
+    out = {}
+    for s in saved:
+        uses = [fw_pos[u] for u in s.users if u.op != "output"]
+        last = max(uses, default=fw_pos[s])
+        bw_in = bw_inputs.get(s.name)
+        first = min((bw_pos[u] for u in bw_in.users), default=len(bw_nodes)) if bw_in is not None else len(bw_nodes)
+        out[s] = (suffix[last + 1], sum(bw_ms[max(0, first - distance) : first]))
+    return out

@@ -1,0 +1,332 @@
+"""The budget's glue: from a compiled graph's saved tensors to a fitted :class:`Plan` per
+budget pair (:func:`plan`), and from the plans into the saved tensors' records (each
+record's option, hooks or recipe, and each plan's summary: :func:`apply_plans`).  The facts
+of the graph pair every plan reads are built once (:class:`GraphFacts`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torch_patches import _compile_facts, config
+from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
+    Rates,
+    graph_compute_ms,
+    lossy_tolerance,
+    options_for,
+    windows,
+)
+from torch_patches._functorch._aot_autograd.activation_budget.recompute import Recipe, with_recipes
+from torch_patches._functorch._aot_autograd.activation_budget.solver import (
+    KEEP,
+    RECOMPUTE,
+    SOLVERS,
+    Choice,
+    Option,
+    Plan,
+    Span,
+    _lossy,
+    _on_hull,
+    _penalized,
+    _unpenalized,
+)
+from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
+from torch_patches._functorch._aot_autograd.saved_tensor_records import (
+    ALIAS,
+    HOOKED,
+    RECOMPUTED,
+    BudgetPlanSummary,
+    PlannedStorage,
+    SavedTensorRecord,
+)
+from torch_patches._functorch._aot_autograd.utils import nbytes_of
+from torch_patches.hooks import chain, cpu_offload, inlineable
+from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
+
+
+#: The entry of :data:`~.solver.SOLVERS` the plans are fitted with.
+SOLVER = "greedy"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphFacts:
+    """What every budget plan of one forward/backward graph pair reads.
+
+    ``inputs``: the forward's placeholders and their input descriptions (None for an
+    activation); ``held``: forward inputs the caller keeps (a recomputation may read
+    them); ``bw_inputs``: the backward's placeholder per saved tensor's name;
+    ``records``: the saved tensors' records (``saved_tensor_records``), by forward node."""
+
+    fw_g: fx.Graph
+    bw_g: fx.Graph
+    bw_inputs: dict[str, fx.Node]
+    inputs: dict[fx.Node, str | None]
+    held: set[fx.Node]
+    saved_tensors: list[fx.Node]
+    records: dict[fx.Node, SavedTensorRecord]
+
+    @functools.cached_property
+    def bw_pos(self) -> dict[fx.Node, int]:
+        """Each backward node's position (the plans' points)."""
+        return {n: i for i, n in enumerate(self.bw_g.nodes)}
+
+    @functools.cached_property
+    def point_names(self) -> dict[int, str]:
+        return {i: n.name for n, i in self.bw_pos.items()}
+
+
+@functools.cache
+def option_hooks(name: str) -> tuple[Any, Any]:
+    """The hook pair of a storage option (one object per option: traces are shared)."""
+    if name == "bf16":
+        return inlineable(bf16_pack, bf16_unpack)
+    if name == "int8":
+        return int8_rowwise(where=None)
+    if name == "fp8":
+        return fp8_rowwise(where=None)
+    if name == "offload":
+        return cpu_offload()
+    if name == "fp8+offload":
+        return chain(fp8_rowwise(where=None), cpu_offload())
+    raise ValueError(f"unknown storage option {name!r}")
+
+
+def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: dict[fx.Node, int]) -> Span:
+    """The :class:`Span` of the storage the ``saved`` tensors read: from the first backward
+    node using one of them to the last node using one of them or a view of one (a view
+    keeps the storage alive).  Unused: held to the backward's end."""
+    end = len(bw_pos)
+    first, last = end, -1
+    stack = [bw_inputs[s.name] for s in saved if s.name in bw_inputs]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if node.op == "placeholder":
+                first = min(first, bw_pos[user])
+            last = max(last, bw_pos[user])
+            if act_inputs.storage_root(user) is act_inputs.storage_root(node):  # a view of it
+                stack.append(user)
+    return Span(first, max(last, first))
+
+
+def plan(
+    pair: HookPair,
+    spec: Any,
+    facts: GraphFacts,
+    members: list[fx.Node],
+    plannable: list[fx.Node],
+    aliases: dict[fx.Node, fx.Node],
+    exact: set[fx.Node] = frozenset(),
+) -> Plan:
+    """The plan for one budget pair.
+
+    ``members``: every saved tensor in the pair's scope; ``plannable``: those the hooks may
+    see (dtype policy, filtering mode, unused ones excluded), without ``aliases`` (saved
+    tensors that share another's packed tensor). Saved graph inputs that are not activations
+    (parameters, leaves) are not counted. The unit of choice is a storage: the saved tensors
+    reading it (q, k, v of one projection) are packed together or kept, since keeping one
+    keeps all of it. It costs its base tensor's bytes, however small the saved views.
+    ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
+    packs, inputs the caller keeps); those in this plan are pinned to keep when read.
+    """
+    fw_g, bw_g, bw_inputs = facts.fw_g, facts.bw_g, facts.bw_inputs
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for s in members:
+        root = act_inputs.storage_root(s)
+        if not (root.op == "placeholder" and facts.inputs.get(root) is not None):  # an activation
+            groups.setdefault(root, []).append(s)
+    storage = {root: max([nbytes_of(root), *map(nbytes_of, saved)]) for root, saved in groups.items()}
+    baseline = sum(storage.values())
+    plannable_set = set(plannable)
+    covered = plannable_set | {a for a, r in aliases.items() if r in plannable_set}
+    planned = {root: [s for s in saved if s in plannable_set] for root, saved in groups.items()}
+    planned = {root: saved for root, saved in planned.items() if saved and set(groups[root]) <= covered}
+    fixed = sum(b for root, b in storage.items() if root not in planned)
+    spans = {root: backward_span(saved, bw_inputs, facts.bw_pos) for root, saved in groups.items()}
+    nodes = [s for saved in planned.values() for s in saved]
+    device = next((s.meta["val"].device for s in nodes), torch.device("cpu"))
+    rates = Rates.for_device(device)
+    offload = any(o in spec.options for o in ("offload", "fp8+offload"))
+    if offload and any(s.meta["val"].device.type == "cuda" for s in nodes):
+        hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates)
+    else:  # no copy to hide: skip estimating the compute of every node
+        hidden = dict.fromkeys(nodes, (0.0, 0.0))
+    choices = []
+    for root, saved in planned.items():
+        per = []
+        for s in saved:
+            info = facts.records[s].info()
+            opts = options_for(s.meta["val"], info.nbytes, spec.options, lossy_tolerance(info), hidden[s], rates)
+            per.append({o.name: o for o in opts})
+        common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
+        options = [Option(KEEP, storage[root], 0.0)] + [
+            Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
+        ]
+        text = facts.records[saved[0]].describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
+        choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root]))
+    fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
+
+    # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
+    # partitioners.py): the budget is a fraction of the default partition's bytes.
+    found = _compile_facts.facts()
+    ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
+    target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
+
+    def run(units: list[Choice], exact_first: bool = False) -> Plan:
+        on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
+        candidate = Plan(pair.label, spec, baseline, fixed, target, on_hull, fixed_spans, facts.point_names)
+        if ratio:
+            candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
+        SOLVERS[SOLVER](candidate)
+        if exact_first:  # the true times of what was chosen
+            candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units)]
+            candidate.preference = "least lossy"
+        return candidate
+
+    # The fastest plan: storage options first; recompute (its recipes are only looked for
+    # then) where they cannot meet the budget.
+    fastest = run(choices)
+    recomputable = None
+    if not fastest.met and RECOMPUTE in spec.options:
+        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+        if recomputable is not None:
+            fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+    if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
+        return fastest  # nothing lossy to avoid
+    # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
+    # each tier at the least time; taken unless the fastest is faster by more than the margin.
+    if recomputable is None and RECOMPUTE in spec.options:
+        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+    least_lossy = run(recomputable or choices, exact_first=True)
+    margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
+    if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
+        return least_lossy
+    fastest.preference = (
+        f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}"
+        + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
+    )
+    return fastest
+
+
+def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[bool]:
+    """Per choice: its tensor is the one reader of its storage (a recompute frees it)."""
+    return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
+
+
+def summarize(result: Plan) -> BudgetPlanSummary:
+    """The plan's summary (each storage's option); warns when the plan does not meet its
+    budget, naming where the backward holds too much."""
+    peak, point = result.peak
+    found = _compile_facts.facts() if result.label == "ambient" else None
+    cheap = found.partition_cheap_ratio if found is not None else None
+    units = tuple(
+        PlannedStorage(
+            tuple(n.name for n in c.members),
+            c.chosen.name,
+            c.chosen.device_bytes,
+            c.chosen.ms,
+            tuple(f.name for f in c.recipe.frontier) if c.chosen.name == RECOMPUTE and c.recipe is not None else (),
+        )
+        for c in result.choices
+    )
+    summary = BudgetPlanSummary(
+        scope=result.label,
+        spec=result.spec.describe(),
+        planned_bytes=result.predicted_bytes,
+        baseline_bytes=result.baseline_bytes,
+        budget_bytes=result.budget_bytes,
+        peak_bytes=peak,
+        peak_at=result.describe_point(point),
+        met=result.met,
+        preference=result.preference,
+        estimated_ms=result.estimated_ms,
+        units=units,
+        partitioner_ratio=cheap,
+        partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
+    )
+    if not result.met:
+        in_use = sorted(
+            (c for c in result.choices if c.span.first <= point <= c.span.last), key=lambda c: -c.nbytes
+        )
+        exact = sorted(
+            (c for c in result.choices if len(c.options) == 1 and point < c.span.first), key=lambda c: -c.nbytes
+        )
+        warnings.warn(
+            f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
+            f"cannot be met in scope {result.label!r}: the smallest plan found holds {peak} B of saved "
+            f"tensors at {result.describe_point(point)}. Of those, {sum(c.nbytes for c in in_use)} B "
+            f"are in use there at full size ({_names(in_use)}), "
+            f"{sum(s.live(point, n, n) for s, n in result.fixed)} B cannot be hooked (integer tensors, "
+            f"graph inputs), and {sum(c.nbytes for c in exact)} B have no allowed option ({_names(exact)}: "
+            "numerics_safe keeps them exact, offload needs CUDA, recompute needs a short chain "
+            "of ops from tensors kept exact). Saving as much as possible; "
+            "torch._functorch.config.activation_memory_budget can recompute more",
+            stacklevel=2,
+        )
+    return summary
+
+
+def _names(choices: list[Choice]) -> str:
+    return (", ".join(c.members[0].name for c in choices[:3]) + (", ..." if len(choices) > 3 else "")) or "none"
+
+
+def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple[dict[fx.Node, Recipe], list[BudgetPlanSummary]]:
+    """Plan every budget pair among the ``candidates`` (the records of saved tensors with
+    hooks, aliases marked): each record a plan covers gets its option and that option's
+    hooks, or is kept or recomputed (``option``, ``decision``, ``reason``).  Returns the
+    recomputed saved tensors with their recipes, and each plan's summary."""
+    recomputed: dict[fx.Node, Recipe] = {}
+    summaries = []
+    packed = [r for r in candidates if r.decision in (HOOKED, ALIAS)]
+    for pair in dict.fromkeys(r.pair for r in candidates):
+        spec = pair.kind.budget
+        if spec is None:
+            continue
+        members = [r.node for r in candidates if r.pair is pair]
+        mine = [r for r in packed if r.chosen is pair]
+        by_name = {r.name: r.node for r in mine}
+        aliases = {r.node: by_name[r.alias_of] for r in mine if r.decision == ALIAS and r.alias_of in by_name}
+        plannable = [r.node for r in mine if r.node not in aliases]
+        # What a recomputation may read: inputs the caller keeps, and saved tensors that
+        # reach the backward exact (no other hooks; this plan pins its own to keep).
+        others = {r.node for r in packed if r.chosen is not pair}
+        exact = facts.held | {s for s in facts.saved_tensors if s.name in facts.bw_inputs and s not in others}
+        result = plan(pair, spec, facts, members, plannable, aliases, exact)
+        summaries.append(summarize(result))
+        chosen = {s: c.chosen.name for c in result.choices for s in c.members}
+        recipes = {c.members[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
+        recomputed |= recipes
+        for alias, root in aliases.items():
+            chosen[alias] = chosen.get(root, KEEP)
+        for r in mine:
+            _write(r, chosen.get(r.node), recipes.get(r.node), pair)
+    return recomputed, summaries
+
+
+def _write(record: SavedTensorRecord, option: str | None, recipe: Recipe | None, pair: HookPair) -> None:
+    """A plan's option into a saved tensor's record."""
+    record.option = option
+    if option is None:
+        record.leave("budget", "shares its storage with a saved tensor the budget plan cannot hook")
+    elif option == KEEP:
+        record.leave("budget", "kept by the budget plan")
+    elif option == RECOMPUTE and recipe is None:  # an alias of a recomputed tensor
+        record.leave("budget", f"aliases {record.alias_of}, which the budget plan recomputes")
+    elif option == RECOMPUTE:
+        reads = ", ".join(f.name for f in recipe.frontier)
+        record.leave("budget", f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
+    elif record.decision == ALIAS:  # shares its root's packed form: the root's option
+        record.chosen = HookPair(*option_hooks(option), pair.label)
+        record.hooks = record.chosen.names
+    else:
+        record.take(HookPair(*option_hooks(option), pair.label), "budget", f"budget option {option}")
