@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from torch_patches import config
 from torch_patches._hook_kinds import CACHE_HASH_ATTR, is_inlineable_hook, pair_is_inlineable
 
 
@@ -704,8 +705,6 @@ def _value_keyed(t: torch.Tensor) -> bool:
 
 def config_key() -> Any:
     """Every ``torch_patches.config`` knob, as upstream's ``save_config`` would snapshot it."""
-    from torch_patches import config
-
     return tuple(sorted((k, repr(v)) for k, v in config.get_config_copy().items()))
 
 

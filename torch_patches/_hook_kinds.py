@@ -213,7 +213,7 @@ class SavedTensorInfo:
     backward_consumers: tuple[str, ...] | None
     is_input: bool
     scope: str
-    tolerance: str = _numerics.FP8
+    tolerance: str = "fp8"  # the lossiest level (_numerics.FP8)
     why: str | None = None
     readers: tuple[str, ...] | None = None
 

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from torch_patches import config
+
 
 EXACT = "exact"
 BF16 = "bf16"
@@ -237,8 +239,6 @@ def op_key(target: Any) -> tuple[str, str] | None:
 
 def entries() -> dict[str, dict[str, str]]:
     """The built-in list with ``config.numerics_allowlist`` over it."""
-    from torch_patches import config
-
     user = config.numerics_allowlist
     if not user:
         return BUILTIN

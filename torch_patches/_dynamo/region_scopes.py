@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches import _compile_facts, _hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
 
 def _source_name(source: Any) -> str:
@@ -58,8 +59,6 @@ def register_hooks_scope(tx: Any, pair: Any) -> str:
     """Register the hooks of a scope entered in the compiled region for the inliner (on the
     compilation's facts) and install its cache-key stand-in subgraph on the graph; returns
     the scope key (the pair's content digest, or a process-local key)."""
-    from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
-
     digest, reasons = hook_keys.hooks_cache_key(pair.pack, pair.unpack)
     if digest is None:
         # No key valid across processes: a key that can never hit, and no cache entry.

@@ -39,7 +39,7 @@ from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 from torch_patches import _compile_facts
 from torch_patches._dynamo import region_scopes
 from torch_patches._hook_scopes import SCOPE_KEY
-from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing, utils as hook_utils
 from torch_patches._hook_kinds import is_inlineable_hook
 
 
@@ -96,8 +96,6 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
     @staticmethod
     def create(tx: Any, args: list[VariableTracker], kwargs: dict[str, VariableTracker]) -> VariableTracker:
         from torch._dynamo.exc import unimplemented
-
-        from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
         try:
             bound = inspect.signature(torch.autograd.graph.saved_tensors_hooks.__init__).bind(

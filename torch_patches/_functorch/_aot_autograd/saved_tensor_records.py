@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches import _compile_facts
 from torch_patches._functorch._aot_autograd import saved_numerics, utils as hook_utils
 from torch_patches._hook_kinds import SavedTensorInfo
 
@@ -247,8 +248,6 @@ def publish(compiled: CompiledSavedTensors) -> None:
 
     Not on the graph modules' ``meta``: the compile caches hash and pickle the modules.
     """
-    from torch_patches import _compile_facts
-
     for r in compiled.records:
         r.node = r.bw_input = r.pair = r.chosen = None
     found = _compile_facts.facts()
@@ -320,7 +319,7 @@ def collect(
     val = saved.meta["val"]
     shape = tuple(hook_utils.size_hint(s) for s in val.shape)
     # The numerics walk only where hooks may compress (it reads the backward graph).
-    verdict = saved_numerics.verdict(saved, bw_input, facts) if pair is not None else None
+    found = saved_numerics.verdict(saved, bw_input, facts) if pair is not None else None
     return SavedTensorRecord(
         name=saved.name,
         producer=producer_of(saved),
@@ -331,9 +330,9 @@ def collect(
         is_input=saved.op == "placeholder",
         storage_root=storage_root.name,
         scope=None if pair is None else pair.label,
-        readers=tuple(verdict.readers or ()) if verdict is not None else (),
-        tolerance=verdict.level if verdict is not None else None,
-        tolerance_why=verdict.why if verdict is not None else None,
+        readers=tuple(found.readers or ()) if found is not None else (),
+        tolerance=found.level if found is not None else None,
+        tolerance_why=found.why if found is not None else None,
         span=_span(bw_input, bw_order),
         decision=UNHOOKED,
         decided_by="scope",

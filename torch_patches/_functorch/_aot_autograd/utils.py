@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_kinds import pair_is_inlineable
+from torch_patches import config
+from torch_patches._hook_kinds import budget_pair, budget_spec, pair_is_inlineable
 
 
 def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
@@ -37,12 +38,8 @@ def ambient_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any
     hooks = top_saved_tensors_hooks()
     if hooks is not None:
         return hooks
-    from torch_patches import config
-
     if config.activation_memory_budget is None:
         return None
-    from torch_patches._hook_kinds import budget_pair, budget_spec
-
     try:
         return budget_pair(budget_spec(config.activation_memory_budget))
     except (TypeError, ValueError) as e:
@@ -60,8 +57,6 @@ def is_hookable_dtype(dtype: torch.dtype) -> bool:
     "float" (default): floating point and complex only; masks and indices the partitioner
     saves are kept as they are. "all": every dtype, as eager autograd would pass them.
     """
-    from torch_patches import config
-
     policy = config.hooked_saved_tensor_dtypes
     if policy == "all":
         return True

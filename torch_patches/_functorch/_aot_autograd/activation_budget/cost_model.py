@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch_patches import _numerics, config
 from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
 from torch_patches._functorch._aot_autograd.utils import size_hint
+from torch_patches.hooks.select import numerics_safe
 
 
 __all__ = [
@@ -33,7 +34,7 @@ class Rates:
     kernel_ms: float
 
     @staticmethod
-    def for_device(device: torch.device) -> Rates:
+    def for_device(device: torch.device) -> "Rates":
         cuda = device.type == "cuda"
 
         def knob(value: float | None, cpu: float, gpu: float) -> float:
@@ -94,8 +95,6 @@ def options_for(
 def lossy_tolerance(info: Any) -> str:
     """The lossiest storage ``numerics_safe`` accepts for a saved tensor (the allowlist's
     tolerance, and the size rule): one of ``_numerics.LEVELS``."""
-    from torch_patches.hooks.select import numerics_safe
-
     for level in reversed(_numerics.LEVELS[1:]):
         if numerics_safe(info, level):
             return level
