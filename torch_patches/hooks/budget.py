@@ -20,9 +20,11 @@ activations: parameters and other graph inputs that are not activations do not c
 an ``int`` number of bytes per compiled graph.  Entered inside a compiled region the pair
 plans the saved tensors of its own scope (the per-scope form).  Which options are allowed:
 ``options`` (default :data:`OPTIONS`; offload only for CUDA tensors); lossy options only
-for tensors :func:`~torch_patches.hooks.select.numerics_safe` accepts.  The cost model and
-the solver are in ``torch_patches/_functorch/_aot_autograd/activation_budget.py`` and the
-README ("Activation memory budget").
+for tensors :func:`~torch_patches.hooks.select.numerics_safe` accepts.  The cost model,
+the solver, recompute recipes and the glue are the package
+``torch_patches/_functorch/_aot_autograd/activation_budget/`` (README, "Activation memory
+budget").  The pair itself is a marker (``torch_patches._hook_kinds.budget_pair``): identity
+functions carrying the :class:`BudgetSpec` the compiler reads.
 
 The plan is a compile-time decision: the pair's content (``memory``, ``options``) and
 torch_patches' config (the bandwidth knobs) are part of the compiled graph's guard and
