@@ -30,7 +30,8 @@ from torch.testing._internal.common_device_type import (
 
 import torch_patches
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import graph_compile
+from torch_patches._functorch._aot_autograd import graph_compile, saved_tensor_records as saved_records
+from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches._registry import parse_version
 
 
@@ -105,9 +106,7 @@ def saved_tensor_records() -> Iterator[list[Any]]:
     nothing.  The same records are written, one line each, to the debug log
     (``TORCH_LOGS="torch_patches"``).
     """
-    from torch_patches._functorch._aot_autograd import saved_tensor_records as records
-
-    with records.recording() as out:
+    with saved_records.recording() as out:
         yield out
 
 
@@ -350,8 +349,6 @@ _DEVICE_STR_RE = re.compile(r"device = '(cpu|cuda)(:\d+)?'")
 
 def hook_nodes(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
     """name -> {"role", "saved", "hook"} for every node an inliner inserted."""
-    from torch_patches._functorch._aot_autograd.graph_compile import HOOK_META
-
     return {n.name: n.meta[HOOK_META] for n in gm.graph.nodes if HOOK_META in n.meta}
 
 
