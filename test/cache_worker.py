@@ -26,8 +26,23 @@ def leaf_scale(x, s):
 torch.fx.wrap("leaf_scale")
 
 
+def _tensor_scaled(scale):
+    """bf16 hooks reading ``scale``, a tensor (its value is an input of the graphs, not
+    part of the hooks' identity)."""
+
+    def pack(x):
+        return (x * scale).to(torch.bfloat16)
+
+    def unpack(x):
+        return x.to(torch.float32) / scale
+
+    return inlineable(pack, unpack)
+
+
 def build_hooks(spec):
     scale = spec["scale"]
+    if spec.get("tensor_scale"):  # a tensor the hooks read: a runtime input of the graphs
+        return _tensor_scaled(torch.tensor(scale))
 
     def pack(x):
         if spec.get("untraceable"):

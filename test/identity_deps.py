@@ -240,6 +240,9 @@ class Kind:
     hooks: Callable[[], tuple]
     #: "a": keyed by value (a cross-process cache hit for equal values); "b": process-local.
     outcome: str = "a"
+    #: A tensor the hooks read: as ambient hooks, a runtime input of the graphs (guarded by
+    #: its metadata), so changing its values recompiles nothing (torch_patches/_hook_identity.py, find_inputs).
+    lifted: bool = False
 
 
 def _setter(obj, name):
@@ -275,8 +278,8 @@ KINDS = {
     "object_attr": Kind(_setter(OBJ, "scale"), _marked(_object_attr_unpack)),
     "namespace_attr": Kind(_setter(NS, "scale"), _marked(_namespace_unpack)),
     "nn_module_attr": Kind(_setter(MOD, "scale"), _marked(_nn_attr_unpack)),
-    "nn_module_buffer": Kind(_fill(MOD.buf), _marked(_nn_buffer_unpack)),
-    "nn_module_parameter": Kind(_fill(MOD.weight), _marked(_nn_param_unpack)),
+    "nn_module_buffer": Kind(_fill(MOD.buf), _marked(_nn_buffer_unpack), lifted=True),
+    "nn_module_parameter": Kind(_fill(MOD.weight), _marked(_nn_param_unpack), lifted=True),
     "nn_module_forward_code": Kind(
         lambda v: setattr(Scaler, "forward", _FORWARDS[v]),
         _marked(_nn_forward_unpack),
@@ -287,8 +290,8 @@ KINDS = {
     "default_argument": Kind(
         lambda v: setattr(_default_unpack, "__defaults__", (v,)), _marked(_default_unpack)
     ),
-    "small_tensor_inplace": Kind(_fill(SMALL), _marked(_small_tensor_unpack)),
-    "big_tensor_inplace": Kind(_fill(BIG), _marked(_big_tensor_unpack), outcome="b"),
+    "small_tensor_inplace": Kind(_fill(SMALL), _marked(_small_tensor_unpack), lifted=True),
+    "big_tensor_inplace": Kind(_fill(BIG), _marked(_big_tensor_unpack), outcome="b", lifted=True),
     "partial": Kind(
         lambda v: _partial_s.__setitem__("s", v),
         lambda: inlineable(pack, functools.partial(_scaled, s=_partial_s["s"])),

@@ -64,6 +64,7 @@ import os
 import sys
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -237,8 +238,9 @@ def digest(key: Any) -> str:
 
 
 class _Walker:
-    def __init__(self, attrs: frozenset[str]) -> None:
+    def __init__(self, attrs: frozenset[str], lifted: frozenset[int] = frozenset()) -> None:
         self.attrs = attrs  # attribute names any reachable code may read
+        self.lifted = lifted  # id() of tensors the graphs take as runtime inputs
         self.names: set[str] = set()  # names found in code walked
         self.seen: dict[int, int] = {}
         self.local: list[str] = []
@@ -319,6 +321,10 @@ class _Walker:
         if is_fake(t):
             self.unkeyable.append("it captures a fake tensor (made while tracing), which has no value to run with")
             return meta
+        if id(t) in self.lifted:
+            # A runtime input of the graphs (``find_inputs``): its metadata is what the
+            # compiled graph depends on; Dynamo guards it at its source.
+            return meta + ("lifted",)
         if (
             t.numel() <= _TENSOR_VALUE_NUMEL
             and t.device.type == "cpu"
@@ -669,12 +675,16 @@ def _slot_values(v: Any) -> dict[str, Any] | None:
 _attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
 
 
-def hook_identity(fn: Any) -> HookIdentity:
-    """Walk ``fn`` (see the module docstring). Never raises for ordinary Python values."""
+def hook_identity(fn: Any, lift: bool = False) -> HookIdentity:
+    """Walk ``fn`` (see the module docstring). Never raises for ordinary Python values.
+
+    ``lift``: the tensors ``fn`` reads are runtime inputs of the graphs (ambient hooks,
+    ``find_inputs``): keyed by their metadata, not their values or identity."""
     hint = _attr_hints.get(id(fn))
     attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
+    lifted = frozenset(id(t.tensor) for t in find_inputs(fn, "pack")[0]) if lift else frozenset()
     while True:
-        walker = _Walker(attrs)
+        walker = _Walker(attrs, lifted)
         try:
             key = walker.value(fn)
         except Exception as e:  # noqa: BLE001 - an object that resists inspection
@@ -714,6 +724,215 @@ def leaf_cache_hash(node: torch.fx.Node) -> str | None:
     return None if value is None else str(value)
 
 
+# ------------------------------------------------------------------- runtime inputs
+# Tensors an ambient saved-tensors hook reads, lifted into the compiled graphs as runtime
+# inputs.  A hook that reads a tensor the training loop updates in place every step (a delayed or
+# learned scale, an amax history, a step counter) would otherwise be a constant of the graph:
+# keyed by value (or by identity and version) in the guard, so each update recompiles.  Here
+# such a tensor becomes an input of the Dynamo graph, as a global tensor the traced code reads
+# does: Dynamo guards its metadata (dtype, shape, strides, device, requires_grad), never its
+# values or its identity, and each call passes the tensor the hook would read *now*.
+#
+# :func:`find_inputs` walks a hook the way its code reads the world (closure cells, the
+# globals its code names, defaults, ``functools.partial`` arguments, a bound method's
+# object, attributes of user objects and modules its code names, items of containers) and
+# returns, for every plain tensor it reaches, a :class:`LiftedTensor`: the path from the hook
+# to it.  At run time :func:`current_input` follows the path again from the hooks active
+# *then*, so an in-place update is seen and a rebinding (another tensor of the same
+# metadata under the same name) too.  ``hook_identity(fn, lift=True)`` keys a lifted tensor
+# by its metadata only; the Dynamo patch (``_dynamo/symbolic_convert.py``) makes it a graph
+# input; the inliner traces the hooks with it as an input (``hook_tracing.trace_hook``) and
+# maps it to the forward's input, saved for the backward.
+
+
+#: How deep the walk follows references from a hook function.
+_LIFT_MAX_DEPTH = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One hop from an object to what it references: ``kind`` and the name or index."""
+
+    kind: str  # closure | global | default | kwdefault | func | self | arg | keyword | attr | item
+    key: Any = None
+
+    def describe(self) -> str:
+        if self.kind in ("func", "self"):
+            return f".{'__func__' if self.kind == 'func' else '__self__'}"
+        if self.kind in ("attr", "closure", "global", "kwdefault", "keyword"):
+            return f".{self.key}" if self.kind == "attr" else f" {self.kind} {self.key!r}"
+        return f"[{self.key!r}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class LiftedTensor:
+    """A tensor a hook reads, by its path from the hook (``role``: ``"pack"``/``"unpack"``)."""
+
+    role: str
+    path: tuple[Step, ...]
+    tensor: torch.Tensor = dataclasses.field(compare=False, repr=False)
+
+    def describe(self) -> str:
+        return f"the {self.role} hook's" + "".join(s.describe() for s in self.path)
+
+
+def liftable(t: torch.Tensor) -> str | None:
+    """None when ``t`` can be a graph input standing for what a hook reads, else why not."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        return "a fake tensor (made while tracing) has no value to run with"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        return f"a tensor subclass ({type(t).__qualname__}) is kept as a constant of the graph"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor is kept as a constant of the graph"
+    return None
+
+
+def _own_or_library(module: str | None) -> bool:
+    return _is_library_module(module)
+
+
+def _children(v: Any, names: set[str]) -> list[tuple[Step, Any]]:
+    """What ``v`` references that the walk follows, with the step to each."""
+    out: list[tuple[Step, Any]] = []
+    if isinstance(v, torch.fx.GraphModule):  # its tensors are its own attributes, keyed with it
+        return out
+    if isinstance(v, types.FunctionType):
+        if _own_or_library(v.__module__):
+            return out
+        for name, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
+            if _cell_filled(cell):
+                out.append((Step("closure", name), cell.cell_contents))
+        for name in sorted(_global_names(v.__code__)):
+            if name in v.__globals__:
+                out.append((Step("global", name), v.__globals__[name]))
+        for i, d in enumerate(v.__defaults__ or ()):
+            out.append((Step("default", i), d))
+        for k, d in sorted((v.__kwdefaults__ or {}).items()):
+            out.append((Step("kwdefault", k), d))
+        names.update(v.__code__.co_names)
+        for c in v.__code__.co_consts:
+            if isinstance(c, types.CodeType):
+                names.update(c.co_names)
+    elif isinstance(v, types.MethodType):
+        out += [(Step("func"), v.__func__), (Step("self"), v.__self__)]
+    elif isinstance(v, functools.partial):
+        out.append((Step("func"), v.func))
+        out += [(Step("arg", i), a) for i, a in enumerate(v.args)]
+        out += [(Step("keyword", k), a) for k, a in sorted(v.keywords.items())]
+    elif isinstance(v, (tuple, list)):
+        out += [(Step("item", i), x) for i, x in enumerate(v)]
+    elif isinstance(v, dict):
+        out += [(Step("item", k), x) for k, x in v.items() if isinstance(k, (str, int))]
+    elif isinstance(v, types.ModuleType):
+        if not _own_or_library(v.__name__):
+            out += [(Step("attr", n), getattr(v, n)) for n in sorted(names) if n in vars(v)]
+    elif isinstance(v, torch.nn.Module):
+        if not _own_or_library(type(v).__module__):
+            for n in sorted(names):
+                found = v._parameters.get(n, v._buffers.get(n)) if n in v._parameters or n in v._buffers else None
+                if found is None and n in vars(v):
+                    found = vars(v)[n]
+                elif found is None and n in v._modules:
+                    found = v._modules[n]
+                if found is not None:
+                    out.append((Step("attr", n), found))
+    elif hasattr(v, "__dict__") and not isinstance(v, type) and not _own_or_library(type(v).__module__):
+        state = vars(v)
+        out += [(Step("attr", n), state[n]) for n in sorted(names) if n in state]
+    return out
+
+
+def find_inputs(fn: Any, role: str) -> tuple[list[LiftedTensor], list[str]]:
+    """Every plain tensor ``fn`` reads (its path from ``fn``), and why the others it reads
+    are not lifted (a subclass, a fake tensor)."""
+    lifted: list[LiftedTensor] = []
+    refused: list[str] = []
+    seen: set[int] = set()
+    names: set[str] = set()
+
+    def walk(v: Any, path: tuple[Step, ...]) -> None:
+        if id(v) in seen or len(path) > _LIFT_MAX_DEPTH:
+            return
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            found = LiftedTensor(role, path, v)
+            why = liftable(v)
+            if why is None:
+                lifted.append(found)
+            else:
+                refused.append(f"{found.describe()}: {why}")
+            return
+        for step, child in _children(v, names):
+            walk(child, (*path, step))
+
+    walk(fn, ())
+    # Attributes named by code found later in the walk (a method reading self.scale).
+    if names:
+        seen.clear()
+        lifted.clear()
+        refused.clear()
+        walk(fn, ())
+    return lifted, refused
+
+
+def resolve(fn: Any, path: tuple[Step, ...]) -> Any:
+    """Follow ``path`` from ``fn`` now; LookupError when it no longer leads anywhere."""
+    v = fn
+    for step in path:
+        try:
+            if step.kind == "closure":
+                v = v.__closure__[v.__code__.co_freevars.index(step.key)].cell_contents
+            elif step.kind == "global":
+                v = v.__globals__[step.key]
+            elif step.kind == "default":
+                v = v.__defaults__[step.key]
+            elif step.kind == "kwdefault":
+                v = v.__kwdefaults__[step.key]
+            elif step.kind == "func":
+                v = v.__func__ if isinstance(v, types.MethodType) else v.func
+            elif step.kind == "self":
+                v = v.__self__
+            elif step.kind == "arg":
+                v = v.args[step.key]
+            elif step.kind == "keyword":
+                v = v.keywords[step.key]
+            elif step.kind == "item":
+                v = v[step.key]
+            elif step.kind == "attr":
+                v = getattr(v, step.key)
+            else:
+                raise LookupError(step.kind)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise LookupError(f"{step.describe()}: {type(e).__name__}: {e}") from None
+    return v
+
+
+def current_input(role: str, path: tuple[Step, ...], hooks: Callable[[], Any]) -> torch.Tensor | None:
+    """The tensor at ``path`` from the ``role`` hook of ``hooks()`` (the pair active now):
+    what the compiled graph is given for it at this call.  None where the path leads
+    nowhere now (other hooks, none, a rebinding to a non-tensor): the guard on it then
+    fails and the frame recompiles, as for any other change of the hooks.
+
+    Returned as a new tensor over the same storage with a version counter of its own: the
+    backward reads the values of its storage when it runs (an update between forward and
+    backward is seen, as eager's unpack sees it) without autograd's saved-tensor version
+    check taking the update for a corruption."""
+    pair = hooks()
+    if pair is None:
+        return None
+    try:
+        found = resolve(pair[0] if role == "pack" else pair[1], path)
+    except LookupError:
+        return None
+    if not isinstance(found, torch.Tensor):
+        return None
+    with torch.no_grad():
+        alias = torch.empty((0,), dtype=found.dtype, device=found.device)
+        return alias.set_(found.untyped_storage(), found.storage_offset(), found.size(), found.stride())
+
+
 # ------------------------------------------------------------------- pair keys
 # The keys of a hook pair, built from the walk above: the Dynamo guard's
 # (hooks_guard_state), the compile caches' (hooks_cache_key), and the checks behind both.
@@ -730,11 +949,11 @@ def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
     return (None, reasons) if reasons else (ident.digest, [])
 
 
-def hooks_cache_key(pack: Any, unpack: Any) -> tuple[str | None, list[str]]:
+def hooks_cache_key(pack: Any, unpack: Any, lift: bool = False) -> tuple[str | None, list[str]]:
     """The compile-cache key of a hook pair with the torch_patches config: one function
-    for ambient hooks and in-region scopes alike. None (with reasons) where it is not
-    valid across processes."""
-    idents = (hook_identity(pack), hook_identity(unpack))
+    for ambient hooks (``lift``: the tensors they read are graph inputs, keyed by metadata)
+    and in-region scopes alike. None (with reasons) where it is not valid across processes."""
+    idents = (hook_identity(pack, lift), hook_identity(unpack, lift))
     reasons = [r for i in idents for r in i.local + i.unkeyable]
     if reasons:
         return None, list(dict.fromkeys(reasons))
@@ -759,7 +978,7 @@ def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
     """
     if not hooks or not pair_is_inlineable(hooks):
         return None, ()
-    pack, unpack = (hook_identity(fn) for fn in hooks)
+    pack, unpack = (hook_identity(fn, lift=True) for fn in hooks)
     if pack.unkeyable or unpack.unkeyable:
         return None, ()
     return ("inline", pack.key, unpack.key, config_key()), pack.pins + unpack.pins

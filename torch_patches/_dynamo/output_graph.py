@@ -97,7 +97,7 @@ def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
         # keeps eager hook semantics: nothing for the caches to key.
         log.debug("saved tensors hooks %s cannot be keyed: %s", hook_utils.hook_name(pack), "; ".join(unkeyable))
         return None
-    cache_key = hook_keys.hooks_cache_key(pack, unpack)
+    cache_key = hook_keys.hooks_cache_key(pack, unpack, lift=True)
     names = [
         self.install_subgraph(f"saved_tensors_hooks_{role}", hook_subgraph(fn, role, cache_key))
         for role, fn in (("pack", pack), ("unpack", unpack))

@@ -56,7 +56,7 @@ def storage_root(node: Any) -> Any:
     return node
 
 
-def _described_placeholders(fw_module: fx.GraphModule, inner_meta: Any) -> tuple[list[fx.Node], list[Any]]:
+def described_placeholders(fw_module: fx.GraphModule, inner_meta: Any) -> tuple[list[fx.Node], list[Any]]:
     """The forward's placeholders and AOTAutograd's descriptors of its inputs
     (``ViewAndMutationMeta.input_info``).  They line up one to one only when their numbers
     agree: effect tokens, RNG state or tensor-subclass inner inputs shift the placeholders
@@ -71,7 +71,7 @@ def activation_inputs(
     num_inner_fwd_outputs: int,
 ) -> dict[fx.Node, str | None]:
     """Forward placeholder -> None if packing it frees its memory, else why it does not."""
-    placeholders, infos = _described_placeholders(fw_module, inner_meta)
+    placeholders, infos = described_placeholders(fw_module, inner_meta)
     if not config.hook_activation_inputs:
         return dict.fromkeys(placeholders, "config.hook_activation_inputs is False")
     if len(infos) != len(placeholders):
@@ -111,7 +111,7 @@ def held_by_caller(fw_module: fx.GraphModule, inner_meta: Any, static_input_indi
     not mutate: parameters and buffers (static inputs), inputs that do not require grad,
     and leaves.  The backward may read them exactly at no memory cost (a budget plan's
     recomputation).  Empty when the placeholders cannot be mapped to input descriptors."""
-    placeholders, infos = _described_placeholders(fw_module, inner_meta)
+    placeholders, infos = described_placeholders(fw_module, inner_meta)
     if len(infos) != len(placeholders):
         return set()
     static = set(static_input_indices)

@@ -439,6 +439,8 @@ def _inline(
     if allowed is not None:
         _drop_partially_hooked(candidates, saved_tensors, inputs)
     aliases = _settle_aliases(candidates)
+    # Tensors the ambient hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py).
+    lifted, lifted_fw = _hook_inputs(fw_module, inner_meta, ambient)
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
@@ -452,7 +454,10 @@ def _inline(
             pack, unpack = traces[key]
         else:
             context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
-            pack, unpack = hook_tracing.trace_pair(pair, val, aot_config=aot_config, saved=saved, context=context)
+            inputs = lifted if pair.label == "ambient" else ()
+            pack, unpack = hook_tracing.trace_pair(
+                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=inputs
+            )
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
         if pack.layout is not None:
@@ -462,7 +467,9 @@ def _inline(
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]
         restride = hook_tracing.check_unpacked(out, val, pair, saved)
-        plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride, r))
+        plans.append(graph_surgery.SavedPlan(
+            saved, pair, pack, unpack, restride, r, lifted_fw[: pack.num_inputs]
+        ))
     if not plans and not recomputed:
         records.log_records(compiled, artifact)
         records.publish(compiled)
@@ -484,7 +491,9 @@ def _inline(
             plan, fw_module, bw_g, fw_order, placement, fw_tail
         )
     bw_input_of: dict[fx.Node, fx.Node] = {}
+    lifted_bw = _backward_inputs(bw_g, lifted_fw) if any(p.unpack.num_inputs for p in plans) else ()
     for plan in plans:
+        plan.bw_inputs = lifted_bw[: plan.unpack.num_inputs]
         bw_input_of |= graph_surgery.insert_unpack(
             plan,
             bw_module,
@@ -502,7 +511,14 @@ def _inline(
                 r.node, recipe.nodes, recipe.frontier, r.pair.label, bw_module, bw_inputs, bw_order, extra_inputs
             )
     bw_input_of |= extra_inputs
-    graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of)
+    read_back = []  # hook inputs the backward reads (unpack): saved for it
+    for fw_node, bw_node in zip(lifted_fw, lifted_bw):
+        if bw_node.users:
+            bw_input_of[fw_node] = bw_node
+            read_back.append(fw_node)
+        else:
+            bw_g.erase_node(bw_node)
+    graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of, read_back)
     graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
     fw_g.lint()
     bw_g.lint()
@@ -514,6 +530,49 @@ def _inline(
     if artifact.isEnabledFor(logging.DEBUG):
         artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
         artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+def _hook_inputs(
+    fw_module: fx.GraphModule, inner_meta: Any, ambient: HookPair | None
+) -> tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]:
+    """The tensors the ambient hooks read that Dynamo made graph inputs (``CompileFacts.
+    hook_inputs``), and the forward's placeholder for each.
+
+    Dynamo's graph inputs are the forward's, one to one, when AOTAutograd's input
+    descriptors number the placeholders; where they do not (tensor-subclass inputs, effect
+    tokens) no input can be matched, and the hooks fall back to eager hooks rather than
+    compute with the value seen while compiling."""
+    found = _compile_facts.facts()
+    lifted = list(found.hook_inputs) if found is not None and ambient is not None else []
+    if not lifted:
+        return (), ()
+    placeholders, infos = act_inputs.described_placeholders(fw_module, inner_meta)
+    nodes = []
+    for t, dynamo_node in lifted:
+        dynamo_inputs = dynamo_node.graph.find_nodes(op="placeholder")
+        if dynamo_node not in dynamo_inputs or not len(dynamo_inputs) == len(placeholders) == len(infos):
+            raise hook_tracing.hook_error(
+                ambient.pack if t.role == "pack" else ambient.unpack,
+                f"{t.describe()} (a tensor it reads) cannot be matched to the forward graph's "
+                f"inputs ({len(placeholders)} placeholders for {len(dynamo_inputs)} Dynamo inputs)",
+                role=t.role,
+                pair=ambient,
+                saved=None,
+            )
+        nodes.append(placeholders[dynamo_inputs.index(dynamo_node)])
+    return tuple(t.tensor for t, _ in lifted), tuple(nodes)
+
+
+def _backward_inputs(bw_g: fx.Graph, fw_nodes: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """A backward input for each hook input the forward saves for it (same name)."""
+    first = next(n for n in bw_g.nodes if n.op != "placeholder")
+    out = []
+    with bw_g.inserting_before(first):
+        for fw_node in fw_nodes:
+            node = bw_g.placeholder(fw_node.name)
+            node.meta = {k: v for k, v in fw_node.meta.items() if k in ("val", "tensor_meta")}
+            out.append(node)
+    return tuple(out)
 
 
 def _device_bytes(packed: Any, device: torch.device) -> int:

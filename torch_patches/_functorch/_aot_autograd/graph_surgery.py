@@ -35,6 +35,10 @@ class SavedPlan:
     unpack: Traced
     restride: bool
     record: Any = None  # its saved_tensor_records.SavedTensorRecord: told where pack and unpack went
+    #: The graphs' nodes for the tensors the hooks read as runtime inputs (the traces'
+    #: trailing placeholders, in order): forward placeholders, and their backward inputs.
+    fw_inputs: tuple[fx.Node, ...] = ()
+    bw_inputs: tuple[fx.Node, ...] = ()
 
 
 def _unique(graphs: tuple[fx.Graph, ...], candidate: str) -> str:
@@ -225,7 +229,9 @@ def insert_pack(
     fw_g = fw_module.graph
     saved = plan.saved
     gm = plan.pack.gm
-    (placeholder,) = gm.graph.find_nodes(op="placeholder")
+    placeholder, *lifted = gm.graph.find_nodes(op="placeholder")
+    if len(lifted) != plan.pack.num_inputs or len(lifted) != len(plan.fw_inputs):
+        raise AssertionError(f"pack graph takes {len(lifted)} hook inputs for {len(plan.fw_inputs)} graph inputs")
     out_nodes = [x for x in pytree.tree_leaves(plan.pack.out_args) if isinstance(x, fx.Node)]
     names = {}
     for i, n in enumerate(out_nodes):
@@ -235,7 +241,7 @@ def insert_pack(
     anchor = _forward_anchor(saved, order, placement)
     if plan.record is not None:
         plan.record.pack_after = anchor.name
-    env: dict[fx.Node, Any] = {placeholder: saved}
+    env: dict[fx.Node, Any] = {placeholder: saved, **dict(zip(lifted, plan.fw_inputs))}
     tag = {"role": "pack", "saved": saved.name, "hook": plan.pair.label}
     with fw_g.inserting_before(tail.get(anchor, anchor).next):
         new_nodes = _copy_into(fw_g, fw_module, gm, env, names, tag)
@@ -287,11 +293,18 @@ def insert_unpack(
     bw_g = bw_module.graph
     gm = plan.unpack.gm
     placeholders = gm.graph.find_nodes(op="placeholder")
+    if plan.unpack.num_inputs:
+        lifted = placeholders[len(placeholders) - plan.unpack.num_inputs :]
+        placeholders = placeholders[: len(placeholders) - plan.unpack.num_inputs]
+        if len(lifted) != len(plan.bw_inputs):
+            raise AssertionError(f"unpack graph takes {len(lifted)} hook inputs for {len(plan.bw_inputs)} graph inputs")
+    else:
+        lifted = []
     if len(placeholders) != len(leaves):
         raise AssertionError(
             f"unpack graph takes {len(placeholders)} inputs for {len(leaves)} packed leaves"
         )
-    env: dict[fx.Node, Any] = {}
+    env: dict[fx.Node, Any] = dict(zip(lifted, plan.bw_inputs))
     new_inputs: dict[fx.Node, fx.Node] = {}
     users_before = list(bw_input.users)
     for ph, leaf in zip(placeholders, leaves):
@@ -417,8 +430,11 @@ def rewire_saved(
     num_inner_fwd_outputs: int,
     packed_leaves: dict[fx.Node, list[Any]],
     bw_input_of: dict[fx.Node, fx.Node],
+    extra_saved: list[fx.Node] = (),  # type: ignore[assignment]
 ) -> None:
-    """Replace hooked saved tensors by their packed leaves in the fw outputs/bw inputs.
+    """Replace hooked saved tensors by their packed leaves in the fw outputs/bw inputs;
+    ``extra_saved``: forward nodes the backward reads besides (the hooks' graph inputs,
+    ``bw_input_of`` gives their backward inputs).
 
     Calling convention kept: forward outputs are (inner outputs, tensors saved with
     version-counter check, tensors saved without, opaque objects, symints); backward
@@ -453,6 +469,10 @@ def rewire_saved(
                 else:
                     place(leaf)
         else:
+            place(node)
+    for node in extra_saved:
+        if node not in seen:
+            seen.add(node)
             place(node)
     new_saved = t_vc + t_novc + opaque + syms + new_syms
     desc = fw_out.meta.get("desc")

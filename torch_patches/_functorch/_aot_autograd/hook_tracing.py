@@ -123,6 +123,9 @@ class Traced:
     out_vals: Any  # same structure, with example values
     # pack only: how tensor-subclass outputs were flattened into out_args (None: none were)
     layout: "packed_subclasses.SubclassLayout | None" = None
+    #: How many trailing placeholders stand for tensors the hook reads that are runtime
+    #: inputs of the graphs (``_hook_identity.find_inputs``), in the order they were given.
+    num_inputs: int = 0
 
 
 def hook_error(
@@ -210,11 +213,15 @@ def trace_hook(
     saved: fx.Node | None,
     context: HookContext | None = None,
     layout: "packed_subclasses.SubclassLayout | None" = None,
+    inputs: tuple[torch.Tensor, ...] = (),
 ) -> Traced:
     """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions.
 
     Pack outputs that are tensor subclasses are traced flattened (``Traced.layout`` says
-    how); an unpack given that ``layout`` receives them rebuilt.
+    how); an unpack given that ``layout`` receives them rebuilt.  ``inputs``: tensors the
+    hook reads that are runtime inputs of the graphs: traced as trailing placeholders (the
+    tracer follows the objects themselves, however the hook reaches them), so nothing
+    computed from them is baked into the graph.
     """
     from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
     from torch._functorch._aot_autograd import graph_compile as gc
@@ -224,7 +231,8 @@ def trace_hook(
 
     flattened: list[packed_subclasses.SubclassLayout | None] = [None]
 
-    def flat_fn(*args: Any) -> Any:
+    def flat_fn(*all_args: Any) -> Any:
+        args = all_args[: len(flat)]  # the rest: ``inputs``, read by the hook itself
         if layout is not None:
             arg = packed_subclasses.rebuild_subclasses(list(args), layout)
         else:
@@ -258,7 +266,7 @@ def trace_hook(
                 torch.func.functionalize(flat_fn, remove="mutations"),
                 decomposition_table=getattr(aot_config, "decompositions", None),
                 record_module_stack=True,
-            )(*flat)
+            )(*flat, *inputs)
     except SavedTensorsHookError:
         raise
     except _NotTraceableOutput as e:
@@ -288,7 +296,7 @@ def trace_hook(
             raise fail(
                 f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
             )
-    return Traced(gm, out_args, out_vals, flattened[0])
+    return Traced(gm, out_args, out_vals, flattened[0], len(inputs))
 
 
 def trace_pair(
@@ -298,9 +306,13 @@ def trace_pair(
     aot_config: Any,
     saved: fx.Node | None,
     context: HookContext | None = None,
+    inputs: tuple[torch.Tensor, ...] = (),
 ) -> tuple[Traced, Traced]:
-    """Trace ``pair.pack`` on ``example`` and ``pair.unpack`` on what pack returns."""
-    pack = trace_hook(pair.pack, example, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context)
+    """Trace ``pair.pack`` on ``example`` and ``pair.unpack`` on what pack returns
+    (``inputs``: see :func:`trace_hook`)."""
+    pack = trace_hook(
+        pair.pack, example, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context, inputs=inputs
+    )
     unpack = trace_hook(
         pair.unpack,
         pack.out_vals,
@@ -310,6 +322,7 @@ def trace_pair(
         saved=saved,
         context=context,
         layout=pack.layout,
+        inputs=inputs,
     )
     return pack, unpack
 

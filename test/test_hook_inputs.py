@@ -1,0 +1,271 @@
+"""Tensors ambient hooks read are runtime inputs of the compiled graphs.
+
+A hook that reads a tensor the loop updates in place (a delayed scale) is traced with that
+tensor as an input (``_hook_identity.find_inputs``, ``_dynamo/symbolic_convert.py``): Dynamo
+guards its metadata, never its values or identity. Checked here:
+
+* the issue's example: an inlineable pair ``(x * scale).to(bf16)`` / ``p.float() / scale``
+  on a 4-layer MLP with ``scale.mul_(0.8).add_(0.05)`` after every step compiles once, and
+  every step's gradients equal the same hooks as eager Python hooks on the same compiled
+  function (bit for bit under aot_eager) and a fresh compile with the current value;
+* rebinding the name to another tensor of the same metadata compiles nothing and reads it;
+  other metadata recompiles once;
+* the forward graph takes the tensor as an input (no constant), the backward reads it as
+  it is when the backward runs (an update in between is seen, as eager's unpack sees it);
+* compiled autograd and dynamic shapes: the same, one compile;
+* what cannot be lifted: a hook reading the tensor's value into Python is not inlined (one
+  warning; an error under fullgraph); hooks entered inside the region keep value keying;
+* across fresh processes sharing a cache directory, a second process with another value
+  hits AOTAutogradCache and computes with its own value (slow).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from torch._dynamo.test_case import run_tests
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from torch_patches.hooks import inlineable
+from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
+
+
+class Scaled:
+    """An inlineable bf16 pair that scales by ``self.scale`` (a tensor the loop updates)."""
+
+    def __init__(self, scale, device):
+        self.scale = torch.tensor(scale, device=device)
+
+    def hooks(self):
+        def pack(x):
+            return (x * self.scale).to(torch.bfloat16)
+
+        def unpack(p):
+            return p.to(torch.float32) / self.scale
+
+        return inlineable(pack, unpack)
+
+
+def python_hooks(hooks):
+    """The same hooks as plain Python hooks (not inlineable): eager hook semantics."""
+    pack, unpack = hooks
+    return (lambda t: pack(t)), (lambda t: unpack(t))
+
+
+def mlp(device):
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def grads(fn, model, x, hooks):
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        fn(x).sum().backward()
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return out
+
+
+class TestHookInputs(TestCase):
+    def setUp(self):
+        super().setUp()
+        # Python hooks see every saved tensor too: the same saved set, bit-exact on aot_eager.
+        patch = functorch_config.patch(saved_tensors_hooks_filtering_mode="all")
+        patch.__enter__()
+        self.addCleanup(patch.__exit__, None, None, None)
+
+    def test_in_place_updates_compile_once_aot_eager(self, device):
+        model, holder = mlp(device), Scaled(1.0, device)
+        x = torch.randn(16, 32, device=device)
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        eager_hooks = torch.compile(model, backend="aot_eager")
+        before = None
+        for _ in range(12):
+            got = grads(compiled, model, x, holder.hooks())
+            want = grads(eager_hooks, model, x, python_hooks(holder.hooks()))
+            self.assertGradsEqual(got, want, exact=True)
+            if before is not None:  # the value reaches the graph: the rounding moves
+                self.assertFalse(all(torch.equal(a, b) for a, b in zip(got, before)))
+            before, last = got, holder.scale.clone()
+            with torch.no_grad():
+                holder.scale.mul_(0.8).add_(0.05)
+        self.assertEqual(counter.frame_count, 1)
+        with torch.no_grad():
+            holder.scale.copy_(last)  # back to the value of the last step
+        torch._dynamo.reset()
+        fresh = grads(torch.compile(model, backend="aot_eager"), model, x, holder.hooks())
+        self.assertGradsEqual(got, fresh, exact=True)
+
+    @pytest.mark.slow
+    def test_fifty_updates_compile_once(self, device):
+        for backend in ("aot_eager", "inductor"):
+            with self.subTest(backend=backend):
+                torch._dynamo.reset()
+                model, holder = mlp(device), Scaled(1.0, device)
+                x = torch.randn(16, 32, device=device)
+                counter = CompileCounterWithBackend(backend)
+                compiled = torch.compile(model, backend=counter)
+                eager_hooks = torch.compile(model, backend=backend)
+                for _ in range(50):
+                    got = grads(compiled, model, x, holder.hooks())
+                    want = grads(eager_hooks, model, x, python_hooks(holder.hooks()))
+                    self.assertGradsEqual(got, want, exact=backend == "aot_eager")
+                    with torch.no_grad():
+                        holder.scale.mul_(0.8).add_(0.05)
+                self.assertEqual(counter.frame_count, 1)
+
+    def test_rebinding_reads_the_new_tensor(self, device):
+        model, holder = mlp(device), Scaled(1.0, device)
+        x = torch.randn(16, 32, device=device)
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        first = grads(compiled, model, x, holder.hooks())
+        holder.scale = torch.tensor(3.0, device=device)  # another tensor, same metadata
+        got = grads(compiled, model, x, holder.hooks())
+        self.assertEqual(counter.frame_count, 1)
+        self.assertFalse(all(torch.equal(a, b) for a, b in zip(got, first)))
+        want = grads(torch.compile(model, backend="aot_eager"), model, x, python_hooks(holder.hooks()))
+        self.assertGradsEqual(got, want, exact=True)
+        holder.scale = torch.tensor([3.0], device=device)  # other metadata: one recompile
+        got = grads(compiled, model, x, holder.hooks())
+        self.assertEqual(counter.frame_count, 2)
+        want = grads(torch.compile(model, backend="aot_eager"), model, x, python_hooks(holder.hooks()))
+        self.assertGradsEqual(got, want, exact=True)
+
+    def test_update_between_forward_and_backward_is_seen(self, device):
+        # As eager's unpack: the backward reads the tensor as it is then, and autograd's
+        # saved-tensor version check does not take the update for a corruption.
+        model, holder = mlp(device), Scaled(1.5, device)
+        x = torch.randn(16, 32, device=device)
+
+        def step(fn, hooks):
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                loss = fn(x).sum()
+            with torch.no_grad():
+                holder.scale.mul_(2.0).add_(0.25)
+            loss.backward()
+            with torch.no_grad():
+                holder.scale.sub_(0.25).div_(2.0)
+            out = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            return out
+
+        got = step(torch.compile(model, backend="aot_eager"), holder.hooks())
+        want = step(torch.compile(model, backend="aot_eager"), python_hooks(holder.hooks()))
+        self.assertGradsEqual(got, want, exact=True)
+
+    def test_compiled_autograd_and_dynamic_shapes(self, device):
+        model, holder = mlp(device), Scaled(1.0, device)
+        reference = torch.compile(model, backend="aot_eager")
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("aot_eager")
+            compiled = torch.compile(model, backend=counter, dynamic=dynamic)
+            for n in (8, 12, 16) if dynamic else (16, 16, 16):
+                x = torch.randn(n, 32, device=device)
+                if dynamic:
+                    got = grads(compiled, model, x, holder.hooks())
+                else:
+                    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                        got = grads(compiled, model, x, holder.hooks())
+                want = grads(reference, model, x, python_hooks(holder.hooks()))
+                self.assertGradsEqual(got, want, exact=True)
+                with torch.no_grad():
+                    holder.scale.mul_(0.8).add_(0.05)
+            self.assertEqual(counter.frame_count, 1, f"dynamic={dynamic}")
+
+    def test_graphs_take_the_tensor_as_an_input(self, device):
+        holder = Scaled(2.0, device)
+        rec = AotEagerAndRecordGraphs()
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(*holder.hooks()):
+            torch.compile(lambda x: x.sin(), backend=rec)(x).sum().backward()
+        fw, bw = rec.fw_graphs[0], rec.bw_graphs[0]
+        self.assertEqual(fw.graph.find_nodes(op="get_attr"), [])
+        self.assertEqual(bw.graph.find_nodes(op="get_attr"), [])
+        fw_inputs = fw.graph.find_nodes(op="placeholder")
+        scale_input = next(n for n in fw_inputs if n.meta["val"].dim() == 0)
+        self.assertTrue(any(u.target is torch.ops.aten.mul.Tensor for u in scale_input.users))
+        # Saved for the backward (the unpack divides by it).
+        self.assertIn(scale_input, fw.graph.output_node().args[0])
+        bw_scale = next(n for n in bw.graph.find_nodes(op="placeholder") if n.name == scale_input.name)
+        self.assertTrue(any(u.target is torch.ops.aten.div.Tensor for u in bw_scale.users))
+
+    def test_value_read_into_python_is_not_inlined(self, device):
+        scale = torch.tensor(2.0, device=device)
+
+        def pack(x):
+            return (x * scale.item()).to(torch.bfloat16)
+
+        def unpack(p):
+            return p.to(torch.float32) / scale
+
+        hooks = inlineable(pack, unpack)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(*hooks):
+            warnings.simplefilter("always")
+            torch.compile(lambda x: x.sin(), backend="aot_eager")(x).sum().backward()
+        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        self.assertTrue(any("Falling back to eager saved-tensors hooks" in m for m in messages), messages)
+        torch._dynamo.reset()
+        with self.assertRaisesHookError("cannot be inlined"), torch.autograd.graph.saved_tensors_hooks(*hooks):
+            torch.compile(lambda x: x.sin(), backend="aot_eager", fullgraph=True)(x).sum().backward()
+
+    def test_in_region_scope_keys_the_value(self, device):
+        # Hooks entered inside the region are not lifted (yet): a new value recompiles.
+        holder = Scaled(2.0, device)
+        hooks = holder.hooks()
+        counter = CompileCounterWithBackend("aot_eager")
+
+        def fn(x):
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                return x.sin()
+
+        compiled = torch.compile(fn, backend=counter)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        compiled(x).sum().backward()
+        with torch.no_grad():
+            holder.scale.fill_(3.0)
+        compiled(x).sum().backward()
+        self.assertEqual(counter.frame_count, 2)
+
+
+@pytest.mark.slow
+class TestHookInputsAcrossProcesses(TestCase):
+    def step(self, cache_dir, scale):
+        spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor"}
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        proc = subprocess.run(
+            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
+        return result
+
+    def test_cache_hit_computes_with_its_own_value(self):
+        with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
+            first = self.step(shared, 2.0)
+            second = self.step(shared, 3.0)
+            reference = self.step(alone, 3.0)
+        self.assertEqual(first["aot"].get("autograd_cache_miss", 0), 1, first["aot"])
+        self.assertEqual(second["aot"].get("autograd_cache_hit", 0), 1, second["aot"])
+        self.assertGradsEqual(second["grads"], reference["grads"], exact=True)
+        self.assertFalse(torch.allclose(first["grads"][0], second["grads"][0]))
+
+
+instantiate_device_type_tests(TestHookInputs, globals())
+
+if __name__ == "__main__":
+    run_tests()
