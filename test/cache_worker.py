@@ -6,6 +6,8 @@ Prints one JSON line: the AOTAutograd and Inductor cache counters, and the gradi
 """
 
 import json
+import os
+import subprocess
 import sys
 import warnings
 
@@ -131,6 +133,22 @@ def main():
             }
         )
     )
+
+
+def run_in_fresh_process(spec, cache_dir):
+    """Run one step of ``spec`` in a fresh process whose compile caches live in
+    ``cache_dir``: (the finished process, its JSON line with the gradients as 8x8 tensors,
+    or None if it failed)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+    )
+    if proc.returncode != 0:
+        return proc, None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
+    return proc, result
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ in fresh processes sharing one cache directory (test/cache_worker.py), and check
 counters and that the gradients are those of the hook that was asked for.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -18,13 +17,11 @@ import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 
+from cache_worker import run_in_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
 from torch_patches._hook_identity import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable
 from torch_patches.testing import TestCase
-
-
-WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
 
 
 @cache_hash("v1")
@@ -51,14 +48,8 @@ class TestCompileCache(TestCase):
         spec.setdefault("hook", "gm")
         spec.setdefault("scale", 2.0)
         spec.setdefault("backend", "inductor")
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=self.cache_dir.name)
-        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-        proc = subprocess.run(
-            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
-        )
+        proc, result = run_in_fresh_process(spec, self.cache_dir.name)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
         return result
 
     def assertSameGrads(self, result, other):  # noqa: N802

@@ -19,10 +19,6 @@ guards its metadata, never its values or identity. Checked here:
   hits AOTAutogradCache and computes with its own value (slow).
 """
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import warnings
 
@@ -32,11 +28,9 @@ import torch._functorch.config as functorch_config
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from cache_worker import run_in_fresh_process
 from torch_patches.hooks import inlineable
 from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests
-
-
-WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
 
 
 class Scaled:
@@ -244,14 +238,8 @@ class TestHookInputs(TestCase):
 class TestHookInputsAcrossProcesses(TestCase):
     def step(self, cache_dir, scale):
         spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor"}
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-        proc = subprocess.run(
-            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
-        )
+        proc, result = run_in_fresh_process(spec, cache_dir)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
         return result
 
     def test_cache_hit_computes_with_its_own_value(self):

@@ -793,6 +793,10 @@ def _own_or_library(module: str | None) -> bool:
     return _is_library_module(module)
 
 
+#: What the walk follows in full, whatever names code reads (the rest: by those names).
+_FOLLOWED_WHOLE = (types.FunctionType, types.MethodType, functools.partial, tuple, list, dict)
+
+
 def _children(v: Any, names: set[str]) -> list[tuple[Step, Any]]:
     """What ``v`` references that the walk follows, with the step to each."""
     out: list[tuple[Step, Any]] = []
@@ -851,6 +855,8 @@ def find_inputs(fn: Any, role: str) -> tuple[list[LiftedTensor], list[str]]:
     refused: list[str] = []
     seen: set[int] = set()
     names: set[str] = set()
+    # len(names) whenever an object's attributes were chosen by the names known then.
+    chosen_with: list[int] = []
 
     def walk(v: Any, path: tuple[Step, ...]) -> None:
         if id(v) in seen or len(path) > _LIFT_MAX_DEPTH:
@@ -864,12 +870,15 @@ def find_inputs(fn: Any, role: str) -> tuple[list[LiftedTensor], list[str]]:
             else:
                 refused.append(f"{found.describe()}: {why}")
             return
+        if not isinstance(v, _FOLLOWED_WHOLE):
+            chosen_with.append(len(names))
         for step, child in _children(v, names):
             walk(child, (*path, step))
 
     walk(fn, ())
-    # Attributes named by code found later in the walk (a method reading self.scale).
-    if names:
+    # Attributes named by code found later in the walk (a method reading self.scale): walk
+    # again when an object's attributes were chosen before those names were known.
+    if any(n < len(names) for n in chosen_with):
         seen.clear()
         lifted.clear()
         refused.clear()

@@ -454,9 +454,9 @@ def _inline(
             pack, unpack = traces[key]
         else:
             context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
-            inputs = lifted if pair.label == "ambient" else ()
+            reads = lifted if pair.label == "ambient" else ()  # in-region hooks: none lifted
             pack, unpack = hook_tracing.trace_pair(
-                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=inputs
+                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=reads
             )
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
