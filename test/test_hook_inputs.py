@@ -13,12 +13,17 @@ guards its metadata, never its values or identity. Checked here:
 * the forward graph takes the tensor as an input (no constant), the backward reads it as
   it is when the backward runs (an update in between is seen, as eager's unpack sees it);
 * compiled autograd and dynamic shapes: the same, one compile;
+* hooks entered inside the region: the same, the tensors being inputs at sources built from
+  the hooks' own; two scopes reading different tensors of one metadata stay two scopes;
 * what cannot be lifted: a hook reading the tensor's value into Python is not inlined (one
-  warning; an error under fullgraph); hooks entered inside the region keep value keying;
+  warning; an error under fullgraph); a tensor subclass stays a constant, keyed by value,
+  and a warning names the hook, the path and the reason;
 * across fresh processes sharing a cache directory, a second process with another value
-  hits AOTAutogradCache and computes with its own value (slow).
+  hits AOTAutogradCache and computes with its own value, ambient and in-region (slow).
 """
 
+import contextlib
+import itertools
 import tempfile
 import warnings
 
@@ -61,8 +66,8 @@ def mlp(device):
     return torch.nn.Sequential(*layers).to(device)
 
 
-def grads(fn, model, x, hooks):
-    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+def grads(fn, model, x, hooks=None):
+    with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
         fn(x).sum().backward()
     out = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -102,21 +107,64 @@ class TestHookInputs(TestCase):
 
     @pytest.mark.slow
     def test_fifty_updates_compile_once(self, device):
-        for backend in ("aot_eager", "inductor"):
-            with self.subTest(backend=backend):
+        for backend, where in itertools.product(("aot_eager", "inductor"), ("ambient", "in_region")):
+            with self.subTest(backend=backend, where=where):
                 torch._dynamo.reset()
                 model, holder = mlp(device), Scaled(1.0, device)
                 x = torch.randn(16, 32, device=device)
                 counter = CompileCounterWithBackend(backend)
-                compiled = torch.compile(model, backend=counter)
                 eager_hooks = torch.compile(model, backend=backend)
+                if where == "ambient":
+                    compiled = torch.compile(model, backend=counter)
+                    step = lambda: grads(compiled, model, x, holder.hooks())  # noqa: E731
+                else:
+                    def in_region(hooks):
+                        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                            return model(x)
+
+                    scoped = torch.compile(in_region, backend=counter, fullgraph=True)
+                    step = lambda: grads(lambda _: scoped(holder.hooks()), model, x)  # noqa: E731
                 for _ in range(50):
-                    got = grads(compiled, model, x, holder.hooks())
+                    got = step()
                     want = grads(eager_hooks, model, x, python_hooks(holder.hooks()))
                     self.assertGradsEqual(got, want, exact=backend == "aot_eager")
                     with torch.no_grad():
                         holder.scale.mul_(0.8).add_(0.05)
                 self.assertEqual(counter.frame_count, 1)
+
+    def test_hooks_reading_several_tensors_compile_once(self, device):
+        # A scale and an amax history, both updated every step; ambient and in-region. One
+        # input object per tensor: Dynamo's no-aliasing guard compares their ids.
+        scale = torch.tensor(1.5, device=device)
+        history = torch.ones(4, device=device)
+
+        def pack(x):
+            return (x * scale).to(torch.bfloat16)
+
+        def unpack(p):
+            return p.to(torch.float32) / scale * (history.max() / history.max())
+
+        hooks = inlineable(pack, unpack)
+        model = mlp(device)
+        x = torch.randn(16, 32, device=device)
+        eager_hooks = torch.compile(model, backend="aot_eager")
+
+        def in_region(h):
+            with torch.autograd.graph.saved_tensors_hooks(*h):
+                return model(x)
+
+        ambient = CompileCounterWithBackend("aot_eager")
+        scoped = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=ambient)
+        compiled_scope = torch.compile(in_region, backend=scoped, fullgraph=True)
+        for step in range(20):
+            want = grads(eager_hooks, model, x, python_hooks(hooks))
+            self.assertGradsEqual(grads(compiled, model, x, hooks), want, exact=True)
+            self.assertGradsEqual(grads(lambda _: compiled_scope(hooks), model, x), want, exact=True)
+            with torch.no_grad():
+                scale.mul_(0.9).add_(0.07)
+                history[step % 4] = step + 1.0
+        self.assertEqual((ambient.frame_count, scoped.frame_count), (1, 1))
 
     def test_rebinding_reads_the_new_tensor(self, device):
         model, holder = mlp(device), Scaled(1.0, device)
@@ -215,42 +263,128 @@ class TestHookInputs(TestCase):
         with self.assertRaisesHookError("cannot be inlined"), torch.autograd.graph.saved_tensors_hooks(*hooks):
             torch.compile(lambda x: x.sin(), backend="aot_eager", fullgraph=True)(x).sum().backward()
 
-    def test_in_region_scope_keys_the_value(self, device):
-        # Hooks entered inside the region are not lifted (yet): a new value recompiles.
-        holder = Scaled(2.0, device)
-        hooks = holder.hooks()
+    def test_in_region_scope_lifts_what_its_hooks_read(self, device):
+        # Hooks entered inside the region: the tensors they read are graph inputs at sources
+        # built from the hooks' own (L['hooks'][0].__closure__[0].cell_contents.scale.data).
+        model, holder = mlp(device), Scaled(1.0, device)
+        x = torch.randn(16, 32, device=device)
         counter = CompileCounterWithBackend("aot_eager")
 
-        def fn(x):
+        def step(hooks):
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
-                return x.sin()
+                return model(x)
 
-        compiled = torch.compile(fn, backend=counter)
-        x = torch.randn(4, 8, device=device, requires_grad=True)
-        compiled(x).sum().backward()
-        with torch.no_grad():
-            holder.scale.fill_(3.0)
-        compiled(x).sum().backward()
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        eager_hooks = torch.compile(model, backend="aot_eager")
+
+        def check():
+            got = grads(lambda _: compiled(holder.hooks()), model, x)
+            want = grads(eager_hooks, model, x, python_hooks(holder.hooks()))
+            self.assertGradsEqual(got, want, exact=True)
+            return got
+
+        before = None
+        for _ in range(12):  # new hooks every step, the scale updated in place
+            got = check()
+            if before is not None:
+                self.assertFalse(all(torch.equal(a, b) for a, b in zip(got, before)))
+            before = got
+            with torch.no_grad():
+                holder.scale.mul_(0.8).add_(0.05)
+        self.assertEqual(counter.frame_count, 1)
+        holder.scale = torch.tensor(3.0, device=device)  # rebinding, same metadata
+        check()
+        self.assertEqual(counter.frame_count, 1)
+        holder.scale = torch.tensor([3.0], device=device)  # other metadata: one recompile
+        check()
         self.assertEqual(counter.frame_count, 2)
+
+    def test_in_region_scopes_reading_different_tensors(self, device):
+        # Two scopes whose hooks have one content digest but read different tensors are two
+        # scopes, each computing with its own tensor.
+        first, second = Scaled(3.0, device), Scaled(0.7, device)  # not powers of two: bf16 rounding differs
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        x = torch.randn(4, 8, device=device)
+
+        def fn(a, b):
+            with torch.autograd.graph.saved_tensors_hooks(*a):
+                y = (x @ w).sin()
+            with torch.autograd.graph.saved_tensors_hooks(*b):
+                return (y @ w).cos()
+
+        def run(call, a, b, update=False):
+            loss = call(a, b).sum()
+            if update:  # between forward and backward
+                with torch.no_grad():
+                    first.scale.add_(1.0)
+            try:
+                loss.backward()
+            finally:
+                if update:
+                    with torch.no_grad():
+                        first.scale.sub_(1.0)
+            grad, w.grad = w.grad, None
+            return grad
+
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        got = run(compiled, first.hooks(), second.hooks())
+        reference = torch.compile(fn, backend="aot_eager")  # graph-breaks on Python hooks
+        want = run(reference, python_hooks(first.hooks()), python_hooks(second.hooks()))
+        self.assertEqual(counter.frame_count, 1)
+        self.assertGradsEqual([got], [want], exact=True)
+        swapped = run(compiled, second.hooks(), first.hooks())
+        self.assertEqual(counter.frame_count, 1)
+        self.assertFalse(torch.equal(swapped, got))
+        # Unlike the ambient hooks' inputs, an in-region scope's are saved for the backward
+        # as the tensors themselves: an update between forward and backward is autograd's
+        # in-place error, as for any tensor the forward saves (README, "Hook identity").
+        with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
+            run(compiled, first.hooks(), second.hooks(), update=True)
+
+    def test_tensor_not_lifted_is_named_in_a_warning(self, device):
+        class Tagged(torch.Tensor):
+            pass
+
+        scale = torch.tensor(2.0, device=device).as_subclass(Tagged)
+
+        def pack(x):
+            return (x * scale.as_subclass(torch.Tensor)).to(torch.bfloat16)
+
+        def unpack(p):
+            return p.to(torch.float32) / scale.as_subclass(torch.Tensor)
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autograd.graph.saved_tensors_hooks(*inlineable(pack, unpack)):
+                torch.compile(lambda x: x.sin(), backend="aot_eager")(x).sum().backward()
+        messages = [str(w.message) for w in caught if "is kept as a constant" in str(w.message)]
+        self.assertEqual(len(messages), 2, [str(w.message) for w in caught])
+        self.assertIn("<locals>.pack: the pack hook's closure 'scale': a tensor subclass (", messages[0])
+        self.assertIn("<locals>.unpack: the unpack hook's closure 'scale': a tensor subclass (", messages[1])
+        self.assertIn("changing them recompiles", messages[0])
 
 
 @pytest.mark.slow
 class TestHookInputsAcrossProcesses(TestCase):
-    def step(self, cache_dir, scale):
-        spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor"}
+    def step(self, cache_dir, scale, in_region):
+        spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor", "in_region": in_region}
         proc, result = run_in_fresh_process(spec, cache_dir)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         return result
 
     def test_cache_hit_computes_with_its_own_value(self):
-        with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
-            first = self.step(shared, 2.0)
-            second = self.step(shared, 3.0)
-            reference = self.step(alone, 3.0)
-        self.assertEqual(first["aot"].get("autograd_cache_miss", 0), 1, first["aot"])
-        self.assertEqual(second["aot"].get("autograd_cache_hit", 0), 1, second["aot"])
-        self.assertGradsEqual(second["grads"], reference["grads"], exact=True)
-        self.assertFalse(torch.allclose(first["grads"][0], second["grads"][0]))
+        for in_region in (False, True):
+            with self.subTest(in_region=in_region):
+                with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
+                    first = self.step(shared, 2.0, in_region)
+                    second = self.step(shared, 3.0, in_region)
+                    reference = self.step(alone, 3.0, in_region)
+                self.assertEqual(first["aot"].get("autograd_cache_miss", 0), 1, first["aot"])
+                self.assertEqual(second["aot"].get("autograd_cache_hit", 0), 1, second["aot"])
+                self.assertGradsEqual(second["grads"], reference["grads"], exact=True)
+                self.assertFalse(torch.allclose(first["grads"][0], second["grads"][0]))
 
 
 instantiate_device_type_tests(TestHookInputs, globals())

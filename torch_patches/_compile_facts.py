@@ -40,8 +40,9 @@ class CompileFacts:
     #: What the inliner decided, per compiled graph pair of this context
     #: (``saved_tensor_records.CompiledSavedTensors``, in compile order).
     saved_tensors: list[Any] = dataclasses.field(default_factory=list)
-    #: Tensors the ambient hooks read that Dynamo made graph inputs: (``_hook_identity.
-    #: LiftedTensor``, the Dynamo graph's placeholder), read by the inliner.
+    #: Tensors inlined hooks read that Dynamo made graph inputs: (the pair's label -
+    #: ``"ambient"`` or an in-region scope's -, ``_hook_identity.LiftedTensor``, the Dynamo
+    #: graph's placeholder), read by the inliner.
     hook_inputs: list[Any] = dataclasses.field(default_factory=list)
 
 

@@ -675,14 +675,23 @@ def _slot_values(v: Any) -> dict[str, Any] | None:
 _attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
 
 
-def hook_identity(fn: Any, lift: bool = False) -> HookIdentity:
+#: Which tensors a hook reads are runtime inputs of the graphs: all it reads (``True``, the
+#: ambient hooks), none (``False``), or those at the given paths from it (an in-region scope's
+#: hooks: the tensors Dynamo could make inputs at the hook's source).
+Lift = bool | frozenset[tuple["Step", ...]]
+
+
+def hook_identity(fn: Any, lift: Lift = False) -> HookIdentity:
     """Walk ``fn`` (see the module docstring). Never raises for ordinary Python values.
 
-    ``lift``: the tensors ``fn`` reads are runtime inputs of the graphs (ambient hooks,
-    ``find_inputs``): keyed by their metadata, not their values or identity."""
+    ``lift``: the tensors ``fn`` reads that are runtime inputs of the graphs
+    (``find_inputs``; see :data:`Lift`): keyed by their metadata, not their values or
+    identity."""
     hint = _attr_hints.get(id(fn))
     attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
-    lifted = frozenset(id(t.tensor) for t in find_inputs(fn, "pack")[0]) if lift else frozenset()
+    lifted = frozenset(
+        id(t.tensor) for t in find_inputs(fn, "pack")[0] if lift is True or t.path in lift
+    ) if lift else frozenset()
     while True:
         walker = _Walker(attrs, lifted)
         try:
@@ -918,16 +927,44 @@ def resolve(fn: Any, path: tuple[Step, ...]) -> Any:
     return v
 
 
+#: The alias :func:`current_input` gave for each tensor, while it lives and its storage,
+#: offset, sizes and strides stay the same: one object per tensor (Dynamo's no-aliasing guard
+#: compares its inputs' ids, and a new object at each call could take a freed one's id).
+#: By id (a tensor's ``==`` compares values, so no weak-keyed mapping), dropped with it.
+_aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+
+def _alias_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s storage with a version counter of its own (kept per tensor)."""
+    held = _aliases.get(id(t))
+    alias = held[1] if held is not None and held[0]() is t else None
+    if (
+        alias is None
+        or alias.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        or alias.untyped_storage().nbytes() != t.untyped_storage().nbytes()
+        or alias.storage_offset() != t.storage_offset()
+        or alias.size() != t.size()
+        or alias.stride() != t.stride()
+    ):
+        with torch.no_grad():
+            alias = torch.empty((0,), dtype=t.dtype, device=t.device)
+            alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        _aliases[id(t)] = (weakref.ref(t, lambda _, i=id(t): _aliases.pop(i, None)), alias)
+    return alias
+
+
 def current_input(role: str, path: tuple[Step, ...], hooks: Callable[[], Any]) -> torch.Tensor | None:
     """The tensor at ``path`` from the ``role`` hook of ``hooks()`` (the pair active now):
     what the compiled graph is given for it at this call.  None where the path leads
     nowhere now (other hooks, none, a rebinding to a non-tensor): the guard on it then
     fails and the frame recompiles, as for any other change of the hooks.
 
-    Returned as a new tensor over the same storage with a version counter of its own: the
+    Given as a tensor over the same storage with a version counter of its own: the
     backward reads the values of its storage when it runs (an update between forward and
     backward is seen, as eager's unpack sees it) without autograd's saved-tensor version
-    check taking the update for a corruption."""
+    check taking the update for a corruption.  (Upstream's no-version-check saved tensors,
+    ``saved_tensor_with_no_vc_check``, would say the same, but compiled autograd does not
+    pass them to the backward.)"""
     pair = hooks()
     if pair is None:
         return None
@@ -935,11 +972,7 @@ def current_input(role: str, path: tuple[Step, ...], hooks: Callable[[], Any]) -
         found = resolve(pair[0] if role == "pack" else pair[1], path)
     except LookupError:
         return None
-    if not isinstance(found, torch.Tensor):
-        return None
-    with torch.no_grad():
-        alias = torch.empty((0,), dtype=found.dtype, device=found.device)
-        return alias.set_(found.untyped_storage(), found.storage_offset(), found.size(), found.stride())
+    return _alias_of(found) if isinstance(found, torch.Tensor) else None
 
 
 # ------------------------------------------------------------------- pair keys
@@ -958,11 +991,15 @@ def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
     return (None, reasons) if reasons else (ident.digest, [])
 
 
-def hooks_cache_key(pack: Any, unpack: Any, lift: bool = False) -> tuple[str | None, list[str]]:
+def hooks_cache_key(
+    pack: Any, unpack: Any, lift: Lift | tuple[Lift, Lift] = False
+) -> tuple[str | None, list[str]]:
     """The compile-cache key of a hook pair with the torch_patches config: one function
-    for ambient hooks (``lift``: the tensors they read are graph inputs, keyed by metadata)
-    and in-region scopes alike. None (with reasons) where it is not valid across processes."""
-    idents = (hook_identity(pack, lift), hook_identity(unpack, lift))
+    for ambient hooks and in-region scopes alike (``lift``: which tensors they read are
+    graph inputs, keyed by metadata; one :data:`Lift` for both hooks, or one each). None
+    (with reasons) where it is not valid across processes."""
+    lifts = lift if isinstance(lift, tuple) else (lift, lift)
+    idents = (hook_identity(pack, lifts[0]), hook_identity(unpack, lifts[1]))
     reasons = [r for i in idents for r in i.local + i.unkeyable]
     if reasons:
         return None, list(dict.fromkeys(reasons))
@@ -993,16 +1030,22 @@ def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
     return ("inline", pack.key, unpack.key, config_key()), pack.pins + unpack.pins
 
 
-def hook_content_check(fn: Any) -> tuple[str, Any]:
+def hook_content_check(fn: Any, lift: Lift = False) -> tuple[str, Any]:
     """(digest, check) of one hook entered in a compiled region: ``check(value)`` holds
     while ``value`` is an inlineable hook with every dependency of ``fn`` and the
     torch_patches config is unchanged (a knob changes what the inliner does with the hook).
-    ``check.pins`` keeps the objects keyed by identity alive as long as the check."""
-    expected = hook_identity(fn)
+    The tensors at the ``lift`` paths are graph inputs: their metadata is compared, and
+    Dynamo's guard on the input checks it again. ``check.pins`` keeps the objects keyed by
+    identity alive as long as the check."""
+    expected = hook_identity(fn, lift)
     expected_config = config_key()
 
     def check(value: Any) -> bool:
-        return is_inlineable_hook(value) and hook_identity(value).same_as(expected) and config_key() == expected_config
+        return (
+            is_inlineable_hook(value)
+            and hook_identity(value, lift).same_as(expected)
+            and config_key() == expected_config
+        )
 
     check.pins = expected.pins  # type: ignore[attr-defined]
     return expected.digest, check

@@ -1,14 +1,19 @@
-"""Guards and compile-cache keys of ``saved_tensors_hooks`` scopes entered in a compiled region.
+"""Guards, compile-cache keys and runtime inputs of ``saved_tensors_hooks`` scopes entered in
+a compiled region.
 
 Used by the Dynamo variable of such a scope (``variables/ctx_manager.py``) when the scope is
-entered: each hook is guarded on its content at its source (``hook_identity``: a hook
-recreated every step does not recompile, a changed dependency does), and the scope's hook
-pair is registered for the inliner (on the compilation's facts) with a stand-in subgraph
-carrying the pair's content digest, so AOTAutogradCache keys on it.
+entered: the tensors each hook reads (``_hook_identity.find_inputs``) become graph inputs at
+sources built from the hook's own source (``L['hooks'][0].__closure__[0].cell_contents.scale``),
+so Dynamo guards their metadata and each call reads them as they are; each hook is guarded on its
+content at its source (``hook_identity``, with those tensors keyed by metadata: a hook
+recreated every step does not recompile, a changed dependency does), and the scope's hook pair
+is registered for the inliner (on the compilation's facts) with a stand-in subgraph carrying
+the pair's content digest, so AOTAutogradCache keys on it.
 """
 
 from __future__ import annotations
 
+import types
 import uuid
 from typing import Any
 
@@ -16,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches import _compile_facts, _hook_identity as hook_keys
+from torch_patches._dynamo import symbolic_convert
 from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
 
@@ -24,7 +30,53 @@ def _source_name(source: Any) -> str:
     return str(name() if callable(name) else name)
 
 
-def guard_hook_content(source: Any, fn: Any) -> None:
+def _source_at(base: Any, fn: Any, path: tuple[hook_keys.Step, ...]) -> Any:
+    """The Dynamo source of what ``path`` leads to from ``fn``, which is read at ``base``."""
+    from torch._dynamo.source import AttrSource, GetItemSource
+
+    source, v = base, fn
+    for step in path:
+        kind, key = step.kind, step.key
+        if kind == "closure":
+            cells = AttrSource(source, "__closure__")
+            source = AttrSource(GetItemSource(cells, v.__code__.co_freevars.index(key)), "cell_contents")
+        elif kind in ("global", "default", "kwdefault", "arg", "keyword"):
+            holder = {"global": "__globals__", "default": "__defaults__", "kwdefault": "__kwdefaults__"}
+            source = GetItemSource(AttrSource(source, holder.get(kind, kind + "s")), key)
+        elif kind == "func":
+            source = AttrSource(source, "__func__" if isinstance(v, types.MethodType) else "func")
+        elif kind == "self":
+            source = AttrSource(source, "__self__")
+        elif kind == "item":
+            source = GetItemSource(source, key)
+        else:
+            source = AttrSource(source, key)
+        v = hook_keys.resolve(v, (step,))
+    return source
+
+
+def lift_scope_inputs(tx: Any, hooks: list[tuple[str, Any, Any]]) -> list[tuple[Any, Any]]:
+    """Make the tensors a scope's hooks read (``hooks``: role, hook, the hook's source) inputs
+    of the frame's graph: ``(LiftedTensor, Dynamo placeholder)`` for each path; one input per
+    tensor. Warns about those it cannot lift (they stay keyed by value)."""
+    lifted: list[tuple[Any, Any]] = []
+    node_of: dict[int, Any] = {}
+    for role, fn, source in hooks:
+        found, refused = hook_keys.find_inputs(fn, role)
+        for t in found:
+            node = node_of.get(id(t.tensor))
+            if node is None:
+                node = symbolic_convert.add_hook_input(tx, _source_at(source, fn, t.path), t.tensor)
+            if node is None:
+                refused.append(f"{t.describe()}: Dynamo reads it as a constant of the graph")
+                continue
+            node_of[id(t.tensor)] = node
+            lifted.append((t, node))
+        symbolic_convert.warn_not_lifted(fn, refused)
+    return lifted
+
+
+def guard_hook_content(source: Any, fn: Any, lift: hook_keys.Lift = False) -> None:
     """Guard ``source`` (a hook entered in a compiled region) on every dependency of the hook
     (``hook_identity``), not its id.
 
@@ -36,7 +88,7 @@ def guard_hook_content(source: Any, fn: Any) -> None:
     from torch._dynamo.guards import get_verbose_code_parts, install_guard
     from torch._guards import Guard
 
-    digest, check = hook_keys.hook_content_check(fn)
+    digest, check = hook_keys.hook_content_check(fn, lift)
 
     def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
         code = [
@@ -55,11 +107,18 @@ def _scope_stand_in(key: str) -> None:
     raise RuntimeError("saved tensors hooks scope subgraphs are cache keys, never run")
 
 
-def register_hooks_scope(tx: Any, pair: Any) -> str:
+def lifted_paths(lifted: list[tuple[Any, Any]], role: str) -> frozenset[tuple[hook_keys.Step, ...]]:
+    """The paths from the ``role`` hook of the tensors in ``lifted``."""
+    return frozenset(t.path for t, _ in lifted if t.role == role)
+
+
+def register_hooks_scope(tx: Any, pair: Any, lifted: list[tuple[Any, Any]]) -> str:
     """Register the hooks of a scope entered in the compiled region for the inliner (on the
-    compilation's facts) and install its cache-key stand-in subgraph on the graph; returns
-    the scope key (the pair's content digest, or a process-local key)."""
-    digest, reasons = hook_keys.hooks_cache_key(pair.pack, pair.unpack)
+    compilation's facts), with the graph inputs ``lifted`` for the tensors they read, and
+    install its cache-key stand-in subgraph on the graph; returns the scope key (the pair's
+    content digest and the inputs' sources, or a process-local key)."""
+    lift = (lifted_paths(lifted, "pack"), lifted_paths(lifted, "unpack"))
+    digest, reasons = hook_keys.hooks_cache_key(pair.pack, pair.unpack, lift)
     if digest is None:
         # No key valid across processes: a key that can never hit, and no cache entry.
         key = f"local-{uuid.uuid4().hex}"
@@ -67,9 +126,12 @@ def register_hooks_scope(tx: Any, pair: Any) -> str:
             f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
         )
     else:
-        key = "scope-" + digest
+        # Two scopes whose hooks read different tensors of the same metadata have one
+        # content digest: which inputs they read tells them apart.
+        key = "scope-" + hook_keys.digest((digest, tuple(node.name for _, node in lifted)))
     output = tx.output
-    installed = _compile_facts.facts(output.tracing_context).scopes  # for the inliner
+    found = _compile_facts.facts(output.tracing_context)
+    installed = found.scopes  # for the inliner
     if key not in installed:
         graph = fx.Graph()
         graph.output(graph.call_function(_scope_stand_in, (key,)))
@@ -82,4 +144,5 @@ def register_hooks_scope(tx: Any, pair: Any) -> str:
             output.saved_tensors_hooks_subgraph_names = names = []
         names.append(name)
         installed[key] = hook_tracing.HookPair(pair.pack, pair.unpack, name)
+        found.hook_inputs.extend((name, t, node) for t, node in lifted)
     return key

@@ -5,19 +5,22 @@ Upstream counterpart: ``InstructionTranslator.__init__`` in ``torch/_dynamo/symb
 the compiled call, every tensor the hooks read (``torch_patches._hook_identity.find_inputs``: closure
 cells, globals, defaults, attributes...) is added as a graph input, the way Dynamo adds a
 global tensor the frame reads: its source calls a function installed in the frame's globals
-that follows the tensor's path from the hooks active *at that call* and returns it detached
-(``_hook_identity.current``).  Dynamo guards the input's metadata (``TENSOR_MATCH``), never its
-values or identity: updating the tensor in place, or rebinding the name to another tensor of
-the same metadata, recompiles nothing, and each call passes the tensor the hook would read
-then.  An unused ``aten.detach`` of it keeps the input in the graph; the inliner
-(``graph_compile``) maps the hook trace's constant for the tensor to the forward's input and
-saves it for the backward.  Which inputs were lifted travels to the inliner on the
-compilation's facts (``CompileFacts.hook_inputs``).
+that follows the tensor's path from the hooks active *at that call* and returns an alias of it
+with a version counter of its own (``_hook_identity.current_input``).  Dynamo guards the
+input's metadata (``TENSOR_MATCH``), never its values or identity: updating the tensor in
+place, or rebinding the name to another tensor of the same metadata, recompiles nothing, and
+each call passes the tensor the hook would read then.  An unused ``aten.detach`` of it keeps
+the input in the graph (:func:`add_hook_input`, also used for in-region scopes by
+``region_scopes``); the inliner (``graph_compile``) traces the hooks with the tensor as an
+input, maps it to the forward's input and saves it for the backward.  Which inputs were
+lifted travels to the inliner on the compilation's facts (``CompileFacts.hook_inputs``);
+what cannot be lifted is said once per hook and reason (:func:`warn_not_lifted`).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +30,45 @@ from torch_patches import _compile_facts, _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 
+def add_hook_input(tx: Any, source: Any, value: torch.Tensor) -> Any:
+    """Make ``value``, read at ``source``, an input of ``tx``'s frame graph; its Dynamo
+    placeholder, or None where Dynamo made it something else (a constant attribute)."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    variable = VariableBuilder(tx, source)(value)
+    try:
+        proxy = variable.as_proxy()
+    except NotImplementedError:
+        return None
+    if not isinstance(proxy, torch.fx.Proxy) or proxy.node.op != "placeholder":
+        return None
+    # A use keeps the input (Dynamo prunes unused ones); AOTAutograd drops the op and keeps
+    # the input.  An aten op, so the compile caches accept the graph.
+    keep = tx.output.create_proxy("call_function", torch.ops.aten.detach.default, (proxy,), {})
+    keep.node.meta["example_value"] = proxy.node.meta["example_value"].detach()
+    return proxy.node
+
+
+_warned: set[Any] = set()
+
+
+def warn_not_lifted(fn: Any, reasons: list[str]) -> None:
+    """Say once per hook and reason why a tensor it reads stays a constant of the graphs."""
+    for reason in reasons:
+        key = (hook_keys.hook_identity(fn).digest, reason)
+        if key in _warned:
+            continue
+        _warned.add(key)
+        warnings.warn(
+            f"torch_patches: saved tensors hook {hook_utils.hook_name(fn)}: {reason}; its "
+            "values are part of the compiled graph's key, so changing them recompiles",
+            stacklevel=2,
+        )
+
+
 def lift_hook_inputs(tx: Any) -> None:
     """Add the tensors the ambient hooks read as graph inputs of ``tx``'s frame."""
     from torch._dynamo.source import CallFunctionNoArgsSource, GlobalSource
-    from torch._dynamo.variables.builder import VariableBuilder
 
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return
@@ -42,7 +80,9 @@ def lift_hook_inputs(tx: Any) -> None:
         return
     lifted: dict[int, Any] = {}
     for role, fn in (("pack", hooks[0]), ("unpack", hooks[1])):
-        for t in hook_keys.find_inputs(fn, role)[0]:
+        inputs, refused = hook_keys.find_inputs(fn, role)
+        warn_not_lifted(fn, refused)
+        for t in inputs:
             if id(t.tensor) in lifted:
                 continue
             # Run by the guards and the compiled frame at each call: never traced itself.
@@ -51,14 +91,11 @@ def lift_hook_inputs(tx: Any) -> None:
                 reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
             )
             name = tx.output.install_global("__torch_patches_hook_input", fetch)
-            variable = VariableBuilder(tx, CallFunctionNoArgsSource(GlobalSource(name)))(fetch())
-            proxy = variable.as_proxy()
-            # A use keeps the input (Dynamo prunes unused ones); AOTAutograd drops the op
-            # and keeps the input.  An aten op, so the compile caches accept the graph.
-            keep = tx.output.create_proxy("call_function", torch.ops.aten.detach.default, (proxy,), {})
-            keep.node.meta["example_value"] = proxy.node.meta["example_value"].detach()
-            lifted[id(t.tensor)] = (t, proxy.node)
-    found.hook_inputs = list(lifted.values())
+            node = add_hook_input(tx, CallFunctionNoArgsSource(GlobalSource(name)), fetch())
+            if node is None:
+                raise AssertionError(f"{t.describe()}: Dynamo did not make it a graph input")
+            lifted[id(t.tensor)] = ("ambient", t, node)
+    found.hook_inputs.extend(lifted.values())
 
 
 def make_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         "--hooks",
         default="bf16,fp8",
         help="bf16, fp8, torch_patches.hooks names (fp8_rowwise, int8_rowwise, cpu_offload) "
-        "or fp8_rowwise+cpu_offload (chained); NAME:all for a lossy library hook without its numerics-safe selection",
+        "or fp8_rowwise+cpu_offload (chained); NAME:all for a lossy library hook without its numerics-safe selection; "
+        "bf16_scaled: bf16 with a delayed scale tensor updated after every step (modes ours, eager-hooks)",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(

@@ -42,6 +42,8 @@ _NO_STOCK_INLINE = {"fp8_rowwise+cpu_offload"}
 
 def skip_reason(case: Case) -> str | None:
     """Why a case is not run (shown in the table), or None."""
+    if case.hook == "bf16_scaled" and case.mode not in ("ours", "eager-hooks", "no-hooks", "stock-budget"):
+        return "a GraphModule form would bake the scale in (modes ours, eager-hooks)"
     if case.mode == "stock-inline" and case.hook in _NO_STOCK_INLINE:
         return "no GraphModule form (cpu_offload's pack reads x.stride() into a list)"
     return None
@@ -59,6 +61,41 @@ def _cast_hooks(dtype: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
         return t.to(orig_dtype)
 
     return pack, unpack
+
+
+class DelayedScale:
+    """``--hooks bf16_scaled``: a bf16 pair with a delayed scale, a tensor the loop updates in
+    place after every step (as delayed-scaling fp8 does). With torch_patches the hooks are
+    inlineable and the scale is a runtime input of the graphs (no recompile per update); the
+    row beside ``bf16`` shows what reading it costs per step (guards and inputs)."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.scale = torch.ones((), device=device)
+
+    def hooks(self, case: Case) -> tuple[Any, Any]:
+        import torch
+
+        def pack(x: Any) -> Any:
+            return (x * self.scale).to(torch.bfloat16)
+
+        def unpack(p: Any) -> Any:
+            return p.to(torch.float32) / self.scale
+
+        if case.mode == "ours":
+            from torch_patches.hooks import inlineable
+
+            return inlineable(pack, unpack)
+        if case.mode == "eager-hooks":
+            return pack, unpack
+        raise ValueError("bf16_scaled runs in modes ours and eager-hooks (a GraphModule would bake the scale in)")
+
+    def update(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.scale.mul_(0.999).add_(0.002)
 
 
 def _stock_offload_hooks(device: Any) -> tuple[Any, Any]:
@@ -140,7 +177,8 @@ def run_case(case: Case) -> dict[str, Any]:
     x = example_input(case)
     if x.is_floating_point():
         x.requires_grad_(True)
-    hooks = make_hooks(case)
+    scaled = DelayedScale(case.device) if case.hook == "bf16_scaled" and case.mode not in ("no-hooks", "stock-budget") else None
+    hooks = scaled.hooks(case) if scaled is not None else make_hooks(case)
     configs = contextlib.ExitStack()
     if case.backend == "inductor":
         import torch._inductor.config as inductor_config
@@ -171,6 +209,8 @@ def run_case(case: Case) -> dict[str, Any]:
         x.grad = None
         for p in model.parameters():
             p.grad = None
+        if scaled is not None:
+            scaled.update()
         return saved
 
     cuda = case.device.startswith("cuda")

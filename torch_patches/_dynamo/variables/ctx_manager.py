@@ -158,11 +158,15 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                 hints=["Make the hook pure and traceable (no .item(), I/O, data-dependent control flow)."],
                 from_exc=error,
             )
-        for fn, source, _ in hooks:
-            if source is not None:
-                region_scopes.guard_hook_content(source, fn)
+        # The tensors the hooks read become graph inputs (guarded on metadata); the hooks are
+        # guarded on the rest of their content.
+        lifted = region_scopes.lift_scope_inputs(
+            tx, [(role, fn, source) for role, (fn, source, _) in zip(("pack", "unpack"), hooks)]
+        )
+        for role, (fn, source, _) in zip(("pack", "unpack"), hooks):
+            region_scopes.guard_hook_content(source, fn, region_scopes.lifted_paths(lifted, role))
 
-        key = region_scopes.register_hooks_scope(tx, pair)
+        key = region_scopes.register_hooks_scope(tx, pair, lifted)
         return SavedTensorsHooksVariable(_compile_facts.facts(tx.output.tracing_context).scopes[key], key)
 
     def enter(self, tx: Any, *args: VariableTracker) -> VariableTracker:

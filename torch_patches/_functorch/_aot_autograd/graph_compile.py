@@ -439,8 +439,9 @@ def _inline(
     if allowed is not None:
         _drop_partially_hooked(candidates, saved_tensors, inputs)
     aliases = _settle_aliases(candidates)
-    # Tensors the ambient hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py).
-    lifted, lifted_fw = _hook_inputs(fw_module, inner_meta, ambient)
+    # Tensors the hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py for
+    # the ambient hooks, _dynamo/region_scopes.py for in-region scopes), by pair label.
+    lifted = _hook_inputs(fw_module, inner_meta, [r.chosen for r in candidates if r.hooked])
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
@@ -454,9 +455,8 @@ def _inline(
             pack, unpack = traces[key]
         else:
             context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
-            reads = lifted if pair.label == "ambient" else ()  # in-region hooks: none lifted
             pack, unpack = hook_tracing.trace_pair(
-                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=reads
+                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=lifted.get(pair.label, ((), ()))[0]
             )
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
@@ -468,7 +468,7 @@ def _inline(
             out = out[0]
         restride = hook_tracing.check_unpacked(out, val, pair, saved)
         plans.append(graph_surgery.SavedPlan(
-            saved, pair, pack, unpack, restride, r, lifted_fw[: pack.num_inputs]
+            saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]
         ))
     if not plans and not recomputed:
         records.log_records(compiled, artifact)
@@ -491,9 +491,10 @@ def _inline(
             plan, fw_module, bw_g, fw_order, placement, fw_tail
         )
     bw_input_of: dict[fx.Node, fx.Node] = {}
+    lifted_fw = tuple(dict.fromkeys(n for p in plans for n in p.fw_inputs))
     lifted_bw = _backward_inputs(bw_g, lifted_fw) if any(p.unpack.num_inputs for p in plans) else ()
     for plan in plans:
-        plan.bw_inputs = lifted_bw[: plan.unpack.num_inputs]
+        plan.bw_inputs = tuple(lifted_bw[lifted_fw.index(n)] for n in plan.fw_inputs)
         bw_input_of |= graph_surgery.insert_unpack(
             plan,
             bw_module,
@@ -533,34 +534,39 @@ def _inline(
 
 
 def _hook_inputs(
-    fw_module: fx.GraphModule, inner_meta: Any, ambient: HookPair | None
-) -> tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]:
-    """The tensors the ambient hooks read that Dynamo made graph inputs (``CompileFacts.
-    hook_inputs``), and the forward's placeholder for each.
+    fw_module: fx.GraphModule, inner_meta: Any, pairs: list[HookPair]
+) -> dict[str, tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]]:
+    """For each of ``pairs`` (by label) whose hooks read tensors Dynamo made graph inputs
+    (``CompileFacts.hook_inputs``): those tensors, and the forward's placeholder for each.
 
     Dynamo's graph inputs are the forward's, one to one, when AOTAutograd's input
     descriptors number the placeholders; where they do not (tensor-subclass inputs, effect
     tokens) no input can be matched, and the hooks fall back to eager hooks rather than
     compute with the value seen while compiling."""
     found = _compile_facts.facts()
-    lifted = list(found.hook_inputs) if found is not None and ambient is not None else []
+    by_label = {p.label: p for p in pairs}
+    lifted = [e for e in (found.hook_inputs if found is not None else ()) if e[0] in by_label]
     if not lifted:
-        return (), ()
+        return {}
     placeholders, infos = act_inputs.described_placeholders(fw_module, inner_meta)
-    nodes = []
-    for t, dynamo_node in lifted:
+    out: dict[str, tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]] = {}
+    for label, t, dynamo_node in lifted:
+        pair = by_label[label]
         dynamo_inputs = dynamo_node.graph.find_nodes(op="placeholder")
         if dynamo_node not in dynamo_inputs or not len(dynamo_inputs) == len(placeholders) == len(infos):
             raise hook_tracing.hook_error(
-                ambient.pack if t.role == "pack" else ambient.unpack,
+                pair.pack if t.role == "pack" else pair.unpack,
                 f"{t.describe()} (a tensor it reads) cannot be matched to the forward graph's "
                 f"inputs ({len(placeholders)} placeholders for {len(dynamo_inputs)} Dynamo inputs)",
                 role=t.role,
-                pair=ambient,
+                pair=pair,
                 saved=None,
             )
-        nodes.append(placeholders[dynamo_inputs.index(dynamo_node)])
-    return tuple(t.tensor for t, _ in lifted), tuple(nodes)
+        tensors, nodes = out.get(label, ((), ()))
+        node = placeholders[dynamo_inputs.index(dynamo_node)]
+        if node not in nodes:
+            out[label] = ((*tensors, t.tensor), (*nodes, node))
+    return out
 
 
 def _backward_inputs(bw_g: fx.Graph, fw_nodes: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
