@@ -28,6 +28,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd import activation_budget as ab
+from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import block_working_set, saved_bytes
 from torch_patches.bench.models import blocks_of, build_model, example_input
@@ -433,7 +434,7 @@ class GraphModule(torch.nn.Module):
         fw = rec.fw_graphs[0].graph
         dead = [n.name for n in fw.nodes if n.op == "call_function" and not n.users]
         self.assertEqual(dead, [])
-        recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get("torch_patches_hook", {}).get("role") == "recompute"}
+        recomputed = {n.target for n in rec.bw_graphs[0].graph.nodes if n.meta.get(HOOK_META, {}).get("role") == "recompute"}
         self.assertEqual(recomputed, {torch.ops.aten.mm.default, torch.ops.aten.t.default})
 
     def test_recipes_are_looked_for_only_when_keeping_misses(self, device):

@@ -63,7 +63,7 @@ class TestCompileCache(TestCase):
         self.assertEqual(result["aot"].get(f"autograd_cache_{state}", 0), 1, result["aot"])
 
     def test_same_hooks_hit_in_fresh_process(self):
-        # The library's offload hooks call torch.ops.torch_patches.offload: an attribute
+        # The library's offload hooks call torch.ops.saved_tensors_hooks.offload: an attribute
         # name, not a captured object (the module's `offload` CustomOpDef is not read).
         for hook in ("gm", "marked", "cpu_offload", "fp8_rowwise+cpu_offload"):
             with self.subTest(hook=hook):

@@ -25,6 +25,8 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
+from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
+from tools.export_upstream._write import format_patch
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -68,6 +70,35 @@ class TestExport(unittest.TestCase):
             self.assertTrue(r.message.startswith(r.patch.summary + "\n"), r.patch.name)
             self.assertIn(f"Retire when: {r.patch.retire_when}"[:60], r.message.replace("\n", " "))
             self.assertIn("Test Plan:", r.message)
+
+    def test_upstream_names_only(self):
+        # Every exported line, code and commit message, speaks upstream's names: knobs under
+        # torch._functorch.config, the hooks library at its proposed home, our modules where
+        # they went; the one line naming torch_patches is each commit's provenance trailer.
+        _, results = exported()
+        for r in results:
+            text = format_patch(r, len(results))
+            self.assertEqual(leftovers(text), [], r.filename)
+            self.assertEqual(sum(line.startswith(PROVENANCE) for line in r.message.splitlines()), 1, r.filename)
+        self.assertNotIn("torch_patches.config", "".join(r.diff for r in results))
+
+    def test_upstream_names_rules(self):
+        homes = {"torch_patches._numerics": "torch._functorch._aot_autograd.graph_compile"}.get
+        knobs = {"lossy_min_bytes": "saved_tensors_hooks_lossy_min_bytes"}.get
+        cases = {
+            "``torch_patches.config.lossy_min_bytes``": "``torch._functorch.config.saved_tensors_hooks_lossy_min_bytes``",
+            "``torch_patches.hooks.inlineable``": f"``{HOOKS_HOME}.inlineable``",
+            "(``torch_patches.hooks.select.numerics_safe``)": f"(``{HOOKS_HOME}.numerics_safe``)",
+            "see ``torch_patches/_numerics.py``": "see ``torch/_functorch/_aot_autograd/graph_compile.py``",
+            "``torch_patches._numerics.tolerance``": "``torch._functorch._aot_autograd.graph_compile.tolerance``",
+            'warnings.warn(f"torch_patches: {error}")': 'warnings.warn(f"{error}")',
+            'TORCH_LOGS="+torch_patches"': 'TORCH_LOGS="+saved_tensors_hooks"',
+            'ARTIFACT = "torch_patches"': 'ARTIFACT = "saved_tensors_hooks"',
+            "the whole torch_patches config": "the whole saved tensors hooks config",
+            "unrelated text": "unrelated text",
+        }
+        for before, after in cases.items():
+            self.assertEqual(upstream_names(before, homes, knobs), after)
 
     def test_stack_order_respects_after(self):
         _, results = exported()

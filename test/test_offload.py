@@ -1,6 +1,6 @@
 """In-graph CPU activation offload (``torch_patches.hooks.cpu_offload``, issue 7).
 
-* The ops (``torch_patches::offload``, ``reload_start``, ``reload_wait``): exact round trips
+* The ops (``saved_tensors_hooks::offload``, ``reload_start``, ``reload_wait``): exact round trips
   on CPU for every dtype, strides kept for dense tensors, fake implementations under make_fx
   (real, fake and symbolic), ``torch.library.opcheck``.
 * Inlined placement (goldens): each offload right after its saved tensor's last forward use;
@@ -44,7 +44,7 @@ from torch_patches.testing import (
 )
 
 
-ops = torch.ops.torch_patches
+ops = torch.ops.saved_tensors_hooks
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,8 @@ def _(g: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(g)
 
 
-_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.torch_patches_test.raise_in_backward(g))
-ops_test = torch.ops.torch_patches_test
+_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.saved_tensors_hooks_test.raise_in_backward(g))
+ops_test = torch.ops.saved_tensors_hooks_test
 
 
 def offload_chain() -> Any:
@@ -247,13 +247,13 @@ class GraphModule(torch.nn.Module):
         mm: "f32[8, 8]" = torch.ops.aten.mm.default(primals_x, primals_w1)
         relu: "f32[8, 8]" = torch.ops.aten.relu.default(mm);  mm = None
         sin: "f32[8, 8]" = torch.ops.aten.sin.default(relu)
-        relu_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(relu, True);  relu = None  # pack(relu)
+        relu_packed: "f32[8, 8]" = torch.ops.saved_tensors_hooks.offload.default(relu, True);  relu = None  # pack(relu)
         mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(sin, primals_w2)
         cos: "f32[8, 8]" = torch.ops.aten.cos.default(mm_1)
-        mm_1_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(mm_1, True);  mm_1 = None  # pack(mm_1)
+        mm_1_packed: "f32[8, 8]" = torch.ops.saved_tensors_hooks.offload.default(mm_1, True);  mm_1 = None  # pack(mm_1)
         sum_1: "f32[]" = torch.ops.aten.sum.default(cos);  cos = None
         t: "f32[8, 8]" = torch.ops.aten.t.default(sin);  sin = None
-        t_packed: "f32[8, 8]" = torch.ops.torch_patches.offload.default(t, True);  t = None  # pack(t)
+        t_packed: "f32[8, 8]" = torch.ops.saved_tensors_hooks.offload.default(t, True);  t = None  # pack(t)
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w2);  primals_w2 = None
         t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_x);  primals_x = None
         t_3: "f32[8, 8]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
@@ -261,18 +261,18 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedGraph(rec.bw_graphs[0], """\
 class GraphModule(torch.nn.Module):
     def forward(self, relu_packed: "f32[8, 8]", mm_1_packed: "f32[8, 8]", t_packed: "f32[8, 8]", t_1: "f32[8, 8]", t_2: "f32[8, 8]", t_3: "f32[8, 8]", tangents_1: "f32[]"):
-        reload_start_default: "i64[]" = torch.ops.torch_patches.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
+        reload_start_default: "i64[]" = torch.ops.saved_tensors_hooks.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
         expand: "f32[8, 8]" = torch.ops.aten.expand.default(tangents_1, [8, 8]);  tangents_1 = None
-        mm_1_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default, mm_1_packed, device(type='DEVICE'), [8, 1]);  reload_start_default = mm_1_packed = None  # unpack(mm_1)
+        mm_1_unpacked: "f32[8, 8]" = torch.ops.saved_tensors_hooks.reload_wait.default(reload_start_default, mm_1_packed, device(type='DEVICE'), [8, 1]);  reload_start_default = mm_1_packed = None  # unpack(mm_1)
         sin: "f32[8, 8]" = torch.ops.aten.sin.default(mm_1_unpacked);  mm_1_unpacked = None
-        reload_start_default_1: "i64[]" = torch.ops.torch_patches.reload_start.default(t_packed, device(type='DEVICE'), [1, 8])  # unpack(t)
+        reload_start_default_1: "i64[]" = torch.ops.saved_tensors_hooks.reload_start.default(t_packed, device(type='DEVICE'), [1, 8])  # unpack(t)
         neg: "f32[8, 8]" = torch.ops.aten.neg.default(sin);  sin = None
-        reload_start_default_2: "i64[]" = torch.ops.torch_patches.reload_start.default(relu_packed, device(type='DEVICE'), [8, 1])  # unpack(relu)
+        reload_start_default_2: "i64[]" = torch.ops.saved_tensors_hooks.reload_start.default(relu_packed, device(type='DEVICE'), [8, 1])  # unpack(relu)
         mul: "f32[8, 8]" = torch.ops.aten.mul.Tensor(expand, neg);  expand = neg = None
-        t_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_1, t_packed, device(type='DEVICE'), [1, 8]);  reload_start_default_1 = t_packed = None  # unpack(t)
+        t_unpacked: "f32[8, 8]" = torch.ops.saved_tensors_hooks.reload_wait.default(reload_start_default_1, t_packed, device(type='DEVICE'), [1, 8]);  reload_start_default_1 = t_packed = None  # unpack(t)
         mm: "f32[8, 8]" = torch.ops.aten.mm.default(t_unpacked, mul);  t_unpacked = None
         mm_1: "f32[8, 8]" = torch.ops.aten.mm.default(mul, t_1);  mul = t_1 = None
-        relu_unpacked: "f32[8, 8]" = torch.ops.torch_patches.reload_wait.default(reload_start_default_2, relu_packed, device(type='DEVICE'), [8, 1]);  reload_start_default_2 = relu_packed = None  # unpack(relu)
+        relu_unpacked: "f32[8, 8]" = torch.ops.saved_tensors_hooks.reload_wait.default(reload_start_default_2, relu_packed, device(type='DEVICE'), [8, 1]);  reload_start_default_2 = relu_packed = None  # unpack(relu)
         cos: "f32[8, 8]" = torch.ops.aten.cos.default(relu_unpacked)
         mul_1: "f32[8, 8]" = torch.ops.aten.mul.Tensor(mm_1, cos);  mm_1 = cos = None
         detach: "f32[8, 8]" = torch.ops.aten.detach.default(relu_unpacked);  relu_unpacked = None
@@ -399,7 +399,7 @@ class GraphModule(torch.nn.Module):
         with torch._inductor.config.patch(force_disable_caches=True):
             _, codes = run_and_get_code(step)
         fw = codes[0]
-        offloaded = set(re.findall(r"torch_patches\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", fw))
+        offloaded = set(re.findall(r"saved_tensors_hooks\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", fw))
         self.assertTrue(offloaded, fw)
         reused = set(re.findall(r"= (buf\d+); del buf\d+  # reuse", fw))
         self.assertFalse(offloaded & reused, fw)

@@ -177,7 +177,7 @@ class TestApplyUnapply(TestCase):
         torch_patches.apply()
         try:
             self.assertEqual(torch_patches.installed_effects(), names)
-            op = torch.ops.torch_patches.offload.default
+            op = torch.ops.saved_tensors_hooks.offload.default
             self.assertIn(op, inductor_lowering.lowerings)
         finally:
             torch_patches.unapply()

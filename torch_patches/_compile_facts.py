@@ -46,7 +46,7 @@ class CompileFacts:
     hook_inputs: list[Any] = dataclasses.field(default_factory=list)
 
 
-_ATTR = "_torch_patches_compile_facts"
+_ATTR = "_saved_tensors_hooks_facts"
 
 
 def facts(tracing_context: Any = None) -> CompileFacts | None:

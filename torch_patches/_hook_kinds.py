@@ -38,15 +38,15 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Attribute set on a plain function by ``torch_patches.hooks.inlineable``.
-INLINEABLE_ATTR = "__torch_patches_inlineable__"
+INLINEABLE_ATTR = "__saved_tensors_hook_inlineable__"
 #: Attribute on both functions of a ``select`` pair: ``(pack, unpack, where)``.
-SELECT_ATTR = "__torch_patches_select__"
+SELECT_ATTR = "__saved_tensors_hook_select__"
 #: Attribute on both functions of a ``select`` pair: its ``otherwise`` pair, or None.
-OTHERWISE_ATTR = "__torch_patches_select_otherwise__"
+OTHERWISE_ATTR = "__saved_tensors_hook_select_otherwise__"
 #: Attribute on both functions of a ``budget`` pair: its :class:`BudgetSpec`.
-BUDGET_ATTR = "__torch_patches_budget__"
+BUDGET_ATTR = "__saved_tensors_hook_budget__"
 #: Attribute ``torch_patches.hooks.cache_hash`` sets on an ``fx.wrap`` leaf function.
-CACHE_HASH_ATTR = "__torch_patches_user_cache_hash__"
+CACHE_HASH_ATTR = "__saved_tensors_hook_user_cache_hash__"
 
 #: Every option a budget plan may choose besides keeping the tensor: the storage options,
 #: least lossy first, then recomputing it in the backward (exact).

@@ -17,7 +17,7 @@ from torch_patches import _compile_facts
 
 
 #: ``node.meta["custom"]`` key naming the in-graph hooks scope a node was created in.
-SCOPE_KEY = "torch_patches_saved_tensors_hooks"
+SCOPE_KEY = "saved_tensors_hooks_scope"
 
 NO_SCOPE: Any = object()
 

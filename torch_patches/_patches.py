@@ -230,7 +230,7 @@ EFFECTS: tuple[Effect, ...] = (
     Effect(
         name="inductor.offload_lowering",
         install=f"{_TP}_inductor.lowering:install_inductor_lowering",
-        summary="Inductor lowering of torch_patches::offload that frees, never reuses, the buffer it copies "
+        summary="Inductor lowering of saved_tensors_hooks::offload that frees, never reuses, the buffer it copies "
         "(importing torch_patches.hooks.offload registers the torch_patches custom ops)",
         area="offload",
     ),

@@ -39,7 +39,7 @@ hook_placement: str = "use"
 unpack_prefetch_distance: int = 0
 
 # How many backward nodes before its first use a *reload* is started: unpack graphs that
-# call torch.ops.torch_patches.reload_start (cpu_offload(), chains ending in it) have
+# call torch.ops.saved_tensors_hooks.reload_start (cpu_offload(), chains ending in it) have
 # their reload_start nodes (and what they depend on) placed
 # max(unpack_prefetch_distance, reload_prefetch_distance) nodes before the first use, and
 # the rest (reload_wait onwards) right before it, so the host-to-device copy overlaps the

@@ -45,6 +45,7 @@ from typing import Any
 
 from torch_patches._registry import Patch, find_definition, fingerprint_source, combine_fingerprints
 
+from tools.export_upstream import _names
 from tools.export_upstream._pysrc import (
     BUILTINS,
     Edit,
@@ -170,6 +171,10 @@ class Exporter:
         self._tp_sources: dict[str, Source] = {}
         self._up_sources: dict[str, Source] = {}
         self._import_ranks: dict[str, int] = {}
+        #: Where each satellite module went in a previous pass (prose may name one before
+        #: the code that moves it is exported).
+        self.home_hints: dict[str, str] = {}
+        self._unknown_homes: set[str] = set()
 
     # ------------------------------------------------------------ sources
 
@@ -263,7 +268,39 @@ class Exporter:
 
     # ----------------------------------------------------------- the stack
 
+    def module_home(self, tp_module: str, state: _State | None = None) -> str | None:
+        """The upstream module our module stands for (a mirror) or was moved into."""
+        if not self.is_tp_module(tp_module):
+            return None
+        mirror = self.mirror_of(tp_module)
+        if mirror is not None:
+            return mirror
+        home = (state or self.state).homes.get(tp_module) or self.home_hints.get(tp_module)
+        if home is None:
+            self._unknown_homes.add(tp_module)
+        return home
+
+    def _knob_name(self, name: str) -> str | None:
+        from torch_patches import config
+
+        return knob_upstream_name(name) if name in config.get_config_copy() else None
+
+    def upstream_names(self, text: str, state: _State) -> str:
+        return _names.upstream_names(text, lambda m: self.module_home(m, state), self._knob_name)
+
     def export(self, patches: Sequence[Patch]) -> list[PatchExport]:
+        """Every patch's upstream form, in stack order (twice when prose named a moved module
+        before the patch that moves it: the second pass knows where it went)."""
+        base, state = dict(self.base), self.state.copy()
+        out = self._export_all(patches)
+        missed = {m for m in self._unknown_homes if m in self.state.homes}
+        if missed:
+            self.home_hints = dict(self.state.homes)
+            self.base, self.state, self._unknown_homes = base, state, set()
+            out = self._export_all(patches)
+        return out
+
+    def _export_all(self, patches: Sequence[Patch]) -> list[PatchExport]:
         out: list[PatchExport] = []
         skipped: set[str] = set()
         for number, patch in enumerate(stack_order(patches), 1):
@@ -308,7 +345,7 @@ class Exporter:
         result.knobs = job.knobs
         result.notes = job.notes
         before = {r: state.texts.get(r) or self.base[r] for r in job.files}
-        after = job.render()
+        after = {r: self.upstream_names(text, state) for r, text in job.render().items()}
         diffs = []
         for r in sorted(after):
             if after[r] == before[r]:

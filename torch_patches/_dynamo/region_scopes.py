@@ -30,7 +30,7 @@ def _source_name(source: Any) -> str:
     return str(name() if callable(name) else name)
 
 
-def _source_at(base: Any, fn: Any, path: tuple[hook_keys.Step, ...]) -> Any:
+def _source_at(base: Any, fn: Any, path: tuple[Any, ...]) -> Any:
     """The Dynamo source of what ``path`` leads to from ``fn``, which is read at ``base``."""
     from torch._dynamo.source import AttrSource, GetItemSource
 
@@ -76,7 +76,7 @@ def lift_scope_inputs(tx: Any, hooks: list[tuple[str, Any, Any]]) -> list[tuple[
     return lifted
 
 
-def guard_hook_content(source: Any, fn: Any, lift: hook_keys.Lift = False) -> None:
+def guard_hook_content(source: Any, fn: Any, lift: Any = False) -> None:
     """Guard ``source`` (a hook entered in a compiled region) on every dependency of the hook
     (``hook_identity``), not its id.
 
@@ -107,7 +107,7 @@ def _scope_stand_in(key: str) -> None:
     raise RuntimeError("saved tensors hooks scope subgraphs are cache keys, never run")
 
 
-def lifted_paths(lifted: list[tuple[Any, Any]], role: str) -> frozenset[tuple[hook_keys.Step, ...]]:
+def lifted_paths(lifted: list[tuple[Any, Any]], role: str) -> frozenset[Any]:
     """The paths from the ``role`` hook of the tensors in ``lifted``."""
     return frozenset(t.path for t, _ in lifted if t.role == role)
 

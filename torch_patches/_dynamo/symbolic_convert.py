@@ -90,7 +90,7 @@ def lift_hook_inputs(tx: Any) -> None:
                 functools.partial(hook_keys.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
                 reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
             )
-            name = tx.output.install_global("__torch_patches_hook_input", fetch)
+            name = tx.output.install_global("__saved_tensors_hook_input", fetch)
             node = add_hook_input(tx, CallFunctionNoArgsSource(GlobalSource(name)), fetch())
             if node is None:
                 raise AssertionError(f"{t.describe()}: Dynamo did not make it a graph input")

@@ -1,7 +1,7 @@
 """Inductor lowerings for torch_patches' custom ops.
 
 Upstream counterpart: ``torch/_inductor/lowering.py`` (``register_lowering``,
-``fallback_handler``).  ``torch_patches::offload`` (``torch_patches.hooks.offload``) is
+``fallback_handler``).  ``saved_tensors_hooks::offload`` (``torch_patches.hooks.offload``) is
 lowered to Inductor's fallback kernel for it, with every buffer it reads freed without reuse
 (``torch_patches._inductor.codegen.wrapper.free_without_reuse``): the device-to-host copy
 still reads the buffer after the op returns.
@@ -34,7 +34,7 @@ def install_inductor_lowering() -> Callable[[], None]:
 
     import torch_patches.hooks.offload  # noqa: F401 - registers the torch_patches custom ops
 
-    op = torch.ops.torch_patches.offload.default
+    op = torch.ops.saved_tensors_hooks.offload.default
     previous = inductor_lowering.lowerings.get(op)
     fallback = inductor_lowering.fallback_handler(op, add_to_fallback_set=False)
 

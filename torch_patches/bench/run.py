@@ -102,13 +102,13 @@ def _stock_offload_hooks(device: Any) -> tuple[Any, Any]:
     import torch
     import torch.fx
 
-    import torch_patches.hooks.offload  # noqa: F401 - registers torch.ops.torch_patches
+    import torch_patches.hooks.offload  # noqa: F401 - registers torch.ops.saved_tensors_hooks
 
     def pack(x: Any) -> Any:
-        return torch.ops.torch_patches.offload(x, True)
+        return torch.ops.saved_tensors_hooks.offload(x, True)
 
     def unpack(cpu: Any) -> Any:
-        ops = torch.ops.torch_patches
+        ops = torch.ops.saved_tensors_hooks
         return ops.reload_wait(ops.reload_start(cpu, device), cpu, device)
 
     return torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)

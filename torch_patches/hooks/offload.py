@@ -1,7 +1,7 @@
-"""In-graph CPU activation offload: the ``torch_patches::offload`` / ``reload_*`` ops and
+"""In-graph CPU activation offload: the ``saved_tensors_hooks::offload`` / ``reload_*`` ops and
 :func:`cpu_offload`.
 
-Three custom ops (``torch.library.custom_op``, namespace ``torch_patches``), with fake
+Three custom ops (``torch.library.custom_op``, namespace ``saved_tensors_hooks``), with fake
 implementations so they trace under make_fx, Dynamo, AOTAutograd and Inductor (which runs
 them as fallback kernels, where the inliner placed them):
 
@@ -88,7 +88,7 @@ from torch_patches.hooks._inlineable import inlineable
 
 __all__ = ["cpu_offload", "offload", "reload_start", "reload_wait"]
 
-_NS = "torch_patches"
+_NS = "saved_tensors_hooks"
 
 
 # ------------------------------------------------------------------------ streams
@@ -218,7 +218,7 @@ def reload_wait(
     entry = _in_flight.pop(key, None)
     if entry is None:
         raise RuntimeError(
-            f"torch_patches::reload_wait: no reload in flight for ticket {key} "
+            f"saved_tensors_hooks::reload_wait: no reload in flight for ticket {key} "
             "(each reload_start ticket is waited for exactly once)"
         )
     if entry.event is not None:
@@ -243,7 +243,7 @@ def _offload_pack(pin_memory: bool) -> Any:
         # The strides too: a compiled backward given the unpacked tensor by Python hooks
         # expects the saved tensor's exact strides, also for views with gaps (q of a qkv
         # split); the host copy itself is compact.
-        return (torch.ops.torch_patches.offload(x, pin_memory), x.device, list(x.stride()))
+        return (torch.ops.saved_tensors_hooks.offload(x, pin_memory), x.device, list(x.stride()))
 
     return cpu_offload_pack
 
@@ -251,17 +251,17 @@ def _offload_pack(pin_memory: bool) -> Any:
 def cpu_offload_unpack(packed: Any) -> Tensor:
     """Unpack of :func:`cpu_offload`: start the reload, wait for it."""
     cpu, device, stride = packed
-    ops = torch.ops.torch_patches
+    ops = torch.ops.saved_tensors_hooks
     return ops.reload_wait(ops.reload_start(cpu, device, stride), cpu, device, stride)
 
 
 def cpu_offload(pin_memory: bool = True) -> tuple[Any, Any]:
     """Hooks moving saved tensors to host memory in the forward, back in the backward.
 
-    Pack: ``(torch.ops.torch_patches.offload(x, pin_memory), x.device, x.stride())``; unpack:
+    Pack: ``(torch.ops.saved_tensors_hooks.offload(x, pin_memory), x.device, x.stride())``; unpack:
     ``reload_start`` then ``reload_wait`` back to that device.  Every saved tensor the hooks
-    see is moved, whatever its dtype (the copy is exact).  Inlined (``torch_patches.apply()``,
-    any backend, ``fullgraph=True`` included), the offload runs right after the saved
+    see is moved, whatever its dtype (the copy is exact).  Inlined (any backend,
+    ``fullgraph=True`` included), the offload runs right after the saved
     tensor's last forward use, ``reload_start`` ``max(config.unpack_prefetch_distance,
     config.reload_prefetch_distance)`` backward nodes before its first backward use and
     ``reload_wait`` right before it, so the host-to-device copy overlaps the compute in

@@ -24,7 +24,7 @@ from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, Traced
 
 
 #: node.meta key on every node we insert: {"role": "pack"|"unpack", "saved": name, "hook": label}
-HOOK_META = "torch_patches_hook"
+HOOK_META = "saved_tensors_hook"
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ def _copy_into(
         if node.op == "get_attr":
             # Constants the hook created (make_fx lifts them onto its module).
             value = getattr(src, str(node.target))
-            target = _unique((graph,), "_torch_patches_hook_constant")
+            target = _unique((graph,), "_saved_tensors_hook_constant")
             while hasattr(owner, target):
                 target += "_"
             setattr(owner, target, value)
@@ -256,12 +256,12 @@ def insert_pack(
 
 
 def _reload_start_closure(gm: fx.GraphModule) -> set[fx.Node]:
-    """``torch_patches::reload_start`` calls in an unpack graph and the nodes they depend on.
+    """``saved_tensors_hooks::reload_start`` calls in an unpack graph and the nodes they depend on.
 
     Placeholders excluded: they become backward inputs, placed at the top anyway.  Empty
     when the graph starts no reload (every hook but ``cpu_offload`` and chains ending in it).
     """
-    ns = getattr(torch.ops, "torch_patches", None)
+    ns = getattr(torch.ops, "saved_tensors_hooks", None)
     op = getattr(ns, "reload_start", None) if ns is not None else None
     if op is None:  # torch_patches.hooks.offload never imported: no graph can call it
         return set()

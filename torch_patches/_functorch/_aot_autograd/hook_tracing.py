@@ -395,10 +395,9 @@ class _SideEffectProbe:
 
     Prints are found before tracing, in the hook's code (``_hook_identity``: a hook that
     reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
-    The audit hook is a registry effect (``aot.side_effect_probe``), added by the first
-    ``torch_patches.apply()``.  Audit hooks cannot be removed (PEP 578): ours records only in
-    the thread that is tracing a hook, while it traces; at any other time, and after
-    ``torch_patches.unapply()``, it returns at once.
+    The audit hook is a registry effect (``aot.side_effect_probe``), added once.  Audit hooks
+    cannot be removed (PEP 578): ours records only in the thread that is tracing a hook, while
+    it traces; at any other time (also once the patches are removed) it returns at once.
     """
 
     _installed = False

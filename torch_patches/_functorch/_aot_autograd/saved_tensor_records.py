@@ -226,7 +226,7 @@ class CompiledSavedTensors:
 # ------------------------------------------------------------------- observers
 
 _observers: contextvars.ContextVar[tuple[list[CompiledSavedTensors], ...]] = contextvars.ContextVar(
-    "torch_patches_saved_tensor_observers", default=()
+    "saved_tensor_records_observers", default=()
 )
 
 

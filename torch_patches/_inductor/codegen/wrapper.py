@@ -9,7 +9,7 @@ Upstream counterpart: ``PythonWrapperCodegen.codegen_free`` in
 ``torch/_inductor/codegen/wrapper.py``.  Inductor's only way to protect a buffer that is
 read after the kernel reading it returned (``V.graph.never_reuse_buffers``) also keeps it
 from ever being freed: it stays alive to the end of the graph.  That defeats
-``torch_patches::offload``, whose device-to-host copy runs on a side stream: its input must
+``saved_tensors_hooks::offload``, whose device-to-host copy runs on a side stream: its input must
 leave the graph right after the op (so the forward's memory drops; ``record_stream`` makes
 the caching allocator hold the block until the copy is done), but must never be handed to a
 later kernel by Inductor's own buffer reuse (``buf7 = buf3  # reuse``), which the caching
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 #: Attribute of the GraphLowering (``V.graph``) holding the names to free without reuse.
-FREE_WITHOUT_REUSE_ATTR = "torch_patches_free_without_reuse"
+FREE_WITHOUT_REUSE_ATTR = "free_without_reuse"
 
 
 def free_without_reuse(name: str) -> None:
