@@ -26,7 +26,7 @@ from tools.export_upstream import (
     run_export,
 )
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
-from tools.export_upstream._write import format_patch
+from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -59,17 +59,46 @@ class TestExport(unittest.TestCase):
 
     def test_every_record_exports(self):
         _, results = exported()
+        own = [r for r in results if r.module is None]
         self.assertEqual(
-            [r.patch.name for r in results],
-            [p.name for p in patches_module.PATCHES if p.name in {r.patch.name for r in results}],
+            [r.patch.name for r in own],
+            [p.name for p in patches_module.PATCHES if p.name in {r.patch.name for r in own}],
         )
         skipped = [f"{r.patch.name}: {r.reason}" for r in results if r.status != "exported"]
         self.assertEqual(skipped, [], "patches whose upstream form cannot be produced")
         for r in results:
-            self.assertTrue(r.diff.startswith("diff --git a/torch/"), r.patch.name)
+            self.assertTrue(r.diff.startswith("diff --git a/torch/"), r.name)
+            self.assertIn("Test Plan:", r.message)
+        for r in own:
             self.assertTrue(r.message.startswith(r.patch.summary + "\n"), r.patch.name)
             self.assertIn(f"Retire when: {r.patch.retire_when}"[:60], r.message.replace("\n", " "))
-            self.assertIn("Test Plan:", r.message)
+
+    def test_new_modules_are_commits_of_their_own(self):
+        # A module of ours with no upstream counterpart is one commit adding one new file,
+        # before the commit of the patch that first uses it, and one commit per later patch
+        # that extends it; the patch's own commit changes upstream's files only.
+        _, results = exported()
+        position = {}
+        for i, r in enumerate(results):
+            if r.module is not None:
+                self.assertEqual(len(r.files), 1, r.name)
+                self.assertEqual("new file mode" in r.diff, r.creates, r.name)
+                if r.creates:
+                    self.assertEqual(r.before, {r.files[0]: ""})
+                    self.assertTrue(r.subject.split("] ", 1)[1].startswith("Add "), r.subject)
+                position.setdefault(r.patch.name, []).append(i)
+            else:
+                self.assertNotIn("new file mode", r.diff, r.name)
+                for j in position.get(r.patch.name, []):
+                    self.assertLess(j, i)
+        self.assertIn("torch/_functorch/_aot_autograd/activation_budget/solver.py", {f for r in results for f in r.files})
+        self.assertIn("torch/utils/saved_tensors_hooks/__init__.py", {f for r in results for f in r.files})
+        # The summary states the size of each commit and why one is over the reviewable size.
+        text = summary_text(results, "x")
+        for r in results:
+            self.assertIn(f"| {r.number:02d} | {r.subject} |", text)
+            if r.changed_lines() > REVIEWABLE_LINES:
+                self.assertIn(r.name, LARGE_REASONS, f"{r.name}: {r.changed_lines()} lines without a stated reason")
 
     def test_upstream_names_only(self):
         # Every exported line, code and commit message, speaks upstream's names: knobs under
@@ -132,7 +161,7 @@ class TestExport(unittest.TestCase):
             self.assertEqual(len(commits), len(results))
             subjects = _git("log", "--reverse", "--format=%s", cwd=tmp).splitlines()
             self.assertTrue(subjects[0].startswith("Base: torch"))
-            self.assertEqual(subjects[1:], [r.patch.summary for r in results])
+            self.assertEqual(subjects[1:], [r.subject for r in results])
             for commit, r in zip(commits, results):
                 body = _git("log", "-1", "--format=%B", commit, cwd=tmp)
                 self.assertEqual(body.strip(), r.message.strip())
@@ -169,14 +198,23 @@ class TestExport(unittest.TestCase):
         self.assertIn("aot.no_such_target: skipped: target torch._functorch._aot_autograd.utils:no_such_function is not defined", text)
         self.assertIn("aot.builds_on_bad: skipped: builds on skipped patch aot.no_such_target", text)
         self.assertIn("skipped", summary)
-        self.assertEqual(len(files), len(good))
+        _, results = exported()
+        self.assertEqual(len(files), len(results))
         self.assertFalse(any("no_such" in f or "builds_on_bad" in f for f in files))
         self.assertTrue(files[0].startswith("01-"))
-        self.assertIn(f"Subject: [PATCH 01/{len(good):02d}] {good[0].summary}", first)
+        self.assertIn(f"Subject: [PATCH 01/{len(results):02d}] {results[0].subject}", first)
 
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
 class TestUpstreamEquivalence(unittest.TestCase):
+    @pytest.mark.slow  # one interpreter per commit (about 2 minutes)
+    def test_each_commit_imports_alone(self):
+        # Commit by commit on one overlay: after each, torch and every module it touched
+        # import, so no commit needs a later one to build.
+        _, results = exported()
+        with tempfile.TemporaryDirectory(prefix="tp-upstream-each-") as tmp:
+            self.assertEqual(import_each_commit(results, ROOT, tmp, sys.executable), [])
+
     @pytest.mark.slow  # a pytest run of several suites in a subprocess (30 s)
     def test_upstream_form_passes_the_goldens(self):
         _, results = exported()

@@ -3,10 +3,13 @@
     python -m tools.export_upstream export --out DIR [--stack REPO] [--torch-root ROOT]
     python -m tools.export_upstream verify [--torch-root ROOT] [TEST ...]
 
-``export`` writes one git-format-patch file per patch (``NN-<patch name>.patch``, in stack
-order, each against the sources as the previous ones leave them), ``SUMMARY.md``,
-``summary.json`` and ``config-map.json`` (our config knobs -> their upstream names).
-``--stack REPO`` also commits the stack, one commit per patch, into a git repository
+``export`` writes one git-format-patch file per commit (``NN-<name>.patch``, in stack
+order, each against the sources as the previous ones leave them): each patch's commit,
+preceded by one commit per new upstream module it adds or extends (``split_new_modules``);
+``SUMMARY.md`` (every commit, its size, why one is large), ``summary.json`` and
+``config-map.json`` (our config knobs -> their upstream names).  The exported text speaks
+upstream's names (``_names.py``).
+``--stack REPO`` also commits the stack, one commit per file, into a git repository
 (created with a base commit of the pristine files if needed; a pytorch checkout is used
 as it is), ready for ``ghstack submit``.  Nothing is pushed.
 
@@ -18,6 +21,7 @@ How the upstream form is generated: :mod:`tools.export_upstream._generate`.
 
 from tools.export_upstream._generate import (
     CONFIG_HOME,
+    split_new_modules,
     ExportError,
     Exporter,
     KNOB_NAMES,
@@ -42,6 +46,7 @@ __all__ = [
     "KNOB_NAMES",
     "PatchExport",
     "apply_to_overlay",
+    "split_new_modules",
     "check_applies",
     "knob_map",
     "knob_upstream_name",

@@ -40,12 +40,12 @@ def _patches():
 def _print_report(results) -> None:
     for r in results:
         if r.status == "exported":
-            print(f"{r.filename}: {r.patch.summary}")
+            print(f"{r.filename}: {r.subject} ({r.changed_lines()} lines)")
             print(f"    files: {', '.join(r.files)}")
             for note in r.notes:
                 print(f"    note: {note}")
         else:
-            print(f"{r.patch.name}: skipped: {r.reason}")
+            print(f"{r.name}: skipped: {r.reason}")
     n = sum(r.status == "exported" for r in results)
     print(f"{n} exported, {len(results) - n} skipped")
 

@@ -78,6 +78,22 @@ CONFIG_MODULE_API = frozenset(
 )
 
 
+#: Our modules with no upstream counterpart that become new upstream modules (one commit
+#: each, before the patch that first uses them).  Modules under a mirrored package
+#: (``torch_patches/_functorch/_aot_autograd/hook_tracing.py``) keep their path; top-level
+#: ones are named here.  The rest (``_errors``, ``_logging``, ``_registry``: a few lines each,
+#: or nothing upstream would keep) move into the upstream file that needs them first.
+NEW_MODULE_NAMES = {
+    "torch_patches._hook_identity": "torch._functorch._aot_autograd.hook_identity",
+    "torch_patches._hook_kinds": "torch._functorch._aot_autograd.hook_kinds",
+    "torch_patches._hook_scopes": "torch._functorch._aot_autograd.hook_scopes",
+    "torch_patches._compile_facts": "torch._functorch._aot_autograd.compile_facts",
+    "torch_patches._numerics": "torch._functorch._aot_autograd.saved_numerics_rules",
+}
+#: The proposed home of ``torch_patches.hooks`` (see ``_names.HOOKS_HOME``).
+HOOKS_PACKAGE = "torch.utils.saved_tensors_hooks"
+
+
 def knob_upstream_name(name: str) -> str:
     if name in KNOB_NAMES:
         return KNOB_NAMES[name]
@@ -121,9 +137,39 @@ class PatchExport:
     before: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
     after: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
+    #: For a commit that adds one new upstream module (split off the patch that first needs
+    #: it, see :func:`split_new_modules`): that module; None for the patch's own commit.
+    module: str | None = None
+    #: The module of ours the new module stands for (with ``module``).
+    source: str | None = None
+
+    @property
+    def creates(self) -> bool:
+        """A commit that creates its module (else it extends one an earlier commit made)."""
+        return self.module is not None and not any(self.before.values())
+
+    @property
+    def name(self) -> str:
+        """The commit's name: the patch's, or ``add-``/``extend-<module>-for-<patch>``."""
+        if self.module is None:
+            return self.patch.name
+        short = self.module.rpartition(".")[2]
+        return f"add-{short}" if self.creates else f"extend-{short}-for-{self.patch.name}"
+
     @property
     def filename(self) -> str:
-        return f"{self.number:02d}-{self.patch.name}.patch"
+        return f"{self.number:02d}-{self.name}.patch"
+
+    @property
+    def subject(self) -> str:
+        return self.message.partition("\n")[0] if self.message else self.patch.summary
+
+    def changed_lines(self) -> int:
+        """Lines the diff adds or removes (file headers aside)."""
+        return sum(
+            1 for line in self.diff.splitlines()
+            if line[:1] in "+-" and not line.startswith(("+++ ", "--- "))
+        )
 
 
 @dataclasses.dataclass
@@ -175,6 +221,10 @@ class Exporter:
         #: the code that moves it is exported).
         self.home_hints: dict[str, str] = {}
         self._unknown_homes: set[str] = set()
+        #: New upstream modules (:meth:`new_home`): module -> relpath, and the module of
+        #: ours each stands for.
+        self.new_modules: dict[str, str] = {}
+        self.new_module_sources: dict[str, str] = {}
 
     # ------------------------------------------------------------ sources
 
@@ -187,6 +237,8 @@ class Exporter:
     def upstream_source(self, state: _State, module: str) -> Source:
         rel = self.upstream_rel(module)
         text = state.texts.get(rel) or self.read_upstream(rel)
+        if not text and module in self.new_modules:
+            text = self.new_module_skeleton(module)
         key = f"{rel}\0{hash(text)}"
         if key not in self._up_sources:
             self._up_sources[key] = Source(text, module, rel.endswith("__init__.py"))
@@ -194,9 +246,40 @@ class Exporter:
 
     def upstream_rel(self, module: str) -> str:
         rel = module_relpath(self.root, module)
+        if rel is None and module in self.new_modules:
+            return self.new_modules[module]
         if rel is None:
             raise ExportError(f"upstream module {module} has no source file under {self.root}")
         return rel
+
+    def new_home(self, tp_module: str) -> str | None:
+        """The new upstream module our ``tp_module`` becomes (None: it moves instead)."""
+        if tp_module in NEW_MODULE_NAMES:
+            home = NEW_MODULE_NAMES[tp_module]
+        elif tp_module.startswith(TP + ".hooks.") or tp_module == TP + ".hooks":
+            home = HOOKS_PACKAGE + tp_module[len(TP + ".hooks") :]
+        elif tp_module.count(".") >= 2 and module_relpath(self.root, "torch" + tp_module[len(TP) :]) is None:
+            home = "torch" + tp_module[len(TP) :]
+        else:
+            return None
+        if home not in self.new_modules:
+            is_package = module_relpath(self.tp_root, tp_module).endswith("__init__.py")  # type: ignore[union-attr]
+            rel = home.replace(".", "/") + ("/__init__.py" if is_package else ".py")
+            self.new_modules[home] = rel
+            self.new_module_sources[home] = tp_module
+            self.base.setdefault(rel, "")
+            parent = tp_module.rpartition(".")[0]
+            if module_relpath(self.root, home.rpartition(".")[0]) is None and self.is_tp_module(parent):
+                self.new_home(parent)  # a new package: its __init__.py comes with it
+        return home
+
+    def new_module_skeleton(self, module: str) -> str:
+        """The text a new upstream module starts from: our module's docstring, and
+        ``from __future__ import annotations`` (our code is written for it)."""
+        src = self.tp_source(self.new_module_sources[module])
+        doc = ast.get_docstring(src.tree, clean=False)
+        head = f'"""{doc}"""\n\n' if doc else ""
+        return head + "from __future__ import annotations\n"
 
     def tp_source(self, module: str) -> Source:
         if module not in self._tp_sources:
@@ -275,7 +358,11 @@ class Exporter:
         mirror = self.mirror_of(tp_module)
         if mirror is not None:
             return mirror
-        home = (state or self.state).homes.get(tp_module) or self.home_hints.get(tp_module)
+        home = (
+            (state or self.state).homes.get(tp_module)
+            or self.new_home(tp_module)
+            or self.home_hints.get(tp_module)
+        )
         if home is None:
             self._unknown_homes.add(tp_module)
         return home
@@ -372,6 +459,72 @@ class Exporter:
             raise ExportError(f"generated diff does not apply: {problem}")
 
 
+def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> list[PatchExport]:
+    """What a patch does to new upstream modules becomes commits of their own, right before
+    the patch's: one per module it creates (``Add ...``) and one per module an earlier commit
+    created that it extends (``Extend ...``), dependencies first (packages before their
+    modules, then by how deep the module sits in our imports).  Nothing uses these modules
+    until the patch's own commit, which keeps the changes to upstream's files, so each of
+    these commits builds alone (``import_each_commit`` checks it)."""
+    module_of = {rel: m for m, rel in exporter.new_modules.items()}
+    out: list[PatchExport] = []
+    for r in results:
+        parts = [rel for rel in r.files if r.status == "exported" and rel in module_of]
+        if not parts:
+            out.append(r)
+            continue
+        parts.sort(key=lambda rel: (
+            rel.count("/") - rel.endswith("__init__.py"),
+            exporter.import_rank(exporter.new_module_sources[module_of[rel]]),
+            rel,
+        ))
+        blocks = _diff_blocks(r.diff)
+        for rel in parts:
+            module = module_of[rel]
+            out.append(PatchExport(
+                r.patch, r.number, files=[rel], diff=blocks[rel],
+                added=[a for a in r.added if a.partition(":")[0] == module],
+                before={rel: r.before[rel]}, after={rel: r.after[rel]},
+                module=module, source=exporter.new_module_sources[module],
+            ))
+        rest = [rel for rel in r.files if rel not in parts]
+        r.files = rest
+        r.diff = "".join(blocks[rel] for rel in rest)
+        r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[p] for p in parts}]
+        r.before = {rel: r.before[rel] for rel in rest}
+        r.after = {rel: r.after[rel] for rel in rest}
+        out.append(r)
+    for number, r in enumerate(out, 1):
+        r.number = number
+    return out
+
+
+#: A comment line that keeps the statement after it out of the upstream form: code that
+#: only the patch set needs (a check that the patches it relies on are applied).
+NOT_EXPORTED = "# upstream: not exported"
+
+
+def _not_exported(src: Source, node: ast.stmt) -> list[tuple[int, int]]:
+    """Byte spans of the statements inside ``node`` marked :data:`NOT_EXPORTED` (with the
+    marker line)."""
+    spans = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.stmt) and sub is not node and sub.lineno >= 2:
+            if src.lines[sub.lineno - 2].strip() == NOT_EXPORTED:
+                spans.append(src.line_range_bytes(sub.lineno - 1, sub.end_lineno))  # type: ignore[arg-type]
+    return spans
+
+
+def _diff_blocks(diff: str) -> dict[str, str]:
+    """A multi-file git diff, by file."""
+    blocks: dict[str, str] = {}
+    for block in re.split(r"(?m)^(?=diff --git )", diff):
+        if block:
+            rel = block.split("\n", 1)[0].split(" b/", 1)[1]
+            blocks[rel] = block
+    return blocks
+
+
 def stack_order(patches: Sequence[Patch]) -> list[Patch]:
     """Registry order, moved where needed so every patch follows those in its ``after``."""
     by_name = {p.name: p for p in patches}
@@ -395,13 +548,15 @@ def stack_order(patches: Sequence[Patch]) -> list[Patch]:
 
 
 def unified_diff(rel: str, before: str, after: str) -> str:
+    """git's diff of ``rel``; ``before == ""``: a new file."""
     a = before.splitlines(keepends=True)
     b = after.splitlines(keepends=True)
     for lines in (a, b):
         if lines and not lines[-1].endswith("\n"):
             lines[-1] += "\n\\ No newline at end of file\n"
-    body = "".join(difflib.unified_diff(a, b, f"a/{rel}", f"b/{rel}", n=3))
-    return f"diff --git a/{rel} b/{rel}\n{body}"
+    new = not before
+    body = "".join(difflib.unified_diff(a, b, "/dev/null" if new else f"a/{rel}", f"b/{rel}", n=3))
+    return f"diff --git a/{rel} b/{rel}\n" + ("new file mode 100644\n" if new else "") + body
 
 
 # -------------------------------------------------------------------- the job
@@ -437,6 +592,9 @@ class _Job:
     def file(self, module: str) -> _FileWork:
         if module not in self.work:
             self.work[module] = _FileWork(self.ex.upstream_source(self.state, module), module)
+            parent = module.rpartition(".")[0]
+            if parent in self.ex.new_modules and not self.state.texts.get(self.ex.new_modules[parent]):
+                self.file(parent)  # a new package is created with its first module
         return self.work[module]
 
     # --------------------------------------------------------------- driver
@@ -663,6 +821,10 @@ class _Job:
         mirror = self.ex.mirror_of(tp_module)
         if mirror is not None:
             return mirror
+        home = self.ex.new_home(tp_module)
+        if home is not None:
+            self.state.homes[tp_module] = home
+            return home
         # Ours only (no upstream counterpart): moved next to the code that needs it first.
         return self.state.homes.setdefault(tp_module, getattr(self, "_requester", None) or self.t_module)
 
@@ -724,6 +886,8 @@ class _Job:
             start = src.offset(d.lineno, 0)
             end = src.line_range_bytes(d.end_lineno, d.end_lineno)[1]  # type: ignore[arg-type]
             dropped.append((start, end))
+        dropped += _not_exported(src, node)
+        self._dropped = dropped
         # Functions that get their own imports of other upstream modules (cycle-safe).
         owners: dict[int, ast.AST] = {}
         fns = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else (
@@ -742,6 +906,8 @@ class _Job:
                     owners.pop(id(sub), None)
         self._local_needs: dict[ast.AST, dict[str, str]] = {}
         for imp in local_imports(node):
+            if any(s <= src.span(imp)[0] < e for s, e in dropped):
+                continue
             new = self._rewrite_local_import(src, imp)
             if new is not None:
                 edits.append(Edit(*src.span(imp), new))
@@ -808,6 +974,9 @@ class _Job:
             and len(body) > 1
         ):
             first = body[1]
+        # Not inside a statement that is not exported (it and its marker line go).
+        kept = [b for b in body[body.index(first):] if not any(s <= src.span(b)[0] < e for s, e in self._dropped)]
+        first = kept[0] if kept else first
         indent = " " * first.col_offset
         lines = [_import_line(n, d).rstrip("\n") for n, d in sorted(needs.items(), key=_import_key)]
         at = src.offset(first.lineno, first.col_offset)
@@ -983,18 +1152,20 @@ class _Job:
         import (the standard library block), else after the last import.
         """
         group = dotted.split(".")[0] == "torch"
-        last = last_same = 0
+        last = last_same = future = 0
         for node in src.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 break
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
-                isinstance(node, ast.ImportFrom) and node.module == "__future__"
-            ):
+            if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+                future = node.end_lineno  # type: ignore[assignment]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 last = node.end_lineno  # type: ignore[assignment]
                 first = next(import_bindings(node, src.package), ("", ""))[1]
                 relative = isinstance(node, ast.ImportFrom) and node.level > 0
                 if (first.split(".")[0] == "torch" or relative) == group:
                     last_same = node.end_lineno  # type: ignore[assignment]
+        if last == 0 and future:  # a new module: its imports follow the __future__ import
+            return future
         if last == 0:
             raise ExportError(f"{src.module} has no import block to extend")
         return last_same or last

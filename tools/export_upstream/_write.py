@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Sequence
 
 from tools.export_upstream import _names
-from tools.export_upstream._generate import PatchExport, Exporter
+from tools.export_upstream._generate import Exporter, PatchExport, split_new_modules
 
 #: Fixed author date: the output is deterministic.
 DATE = "Thu, 1 Jan 1970 00:00:00 +0000"
@@ -36,6 +36,8 @@ def check_applies(diff: str, files: dict[str, str]) -> str | None:
     """None if ``git apply --check`` accepts ``diff`` on ``files`` (relpath -> text)."""
     with tempfile.TemporaryDirectory(prefix="tp-export-check-") as tmp:
         for rel, text in files.items():
+            if not text:  # a file the diff creates
+                continue
             path = os.path.join(tmp, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
@@ -140,7 +142,7 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
     )
     body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
     issue = f", issue #{p.issue}" if p.issue is not None else ""
-    body += ["", f"{_names.PROVENANCE} torch_patches patch `{p.name}`{issue}, against torch {version}"]
+    body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches patch `{p.name}`{issue}, against torch {version}"]
     return "\n".join(_wrap(line) for line in body).rstrip() + "\n"
 
 
@@ -177,13 +179,53 @@ def format_patch(e: PatchExport, total: int) -> str:
 
 def run_export(torch_root: str, patches: Sequence, repo_root: str | None = None) -> tuple[Exporter, list[PatchExport]]:
     exporter = Exporter(torch_root, repo_root)
-    results = exporter.export(patches)
-    by_name = {r.patch.name: r for r in results}
+    results = split_new_modules(exporter, exporter.export(patches))
+    by_name = {r.patch.name: r for r in results if r.module is None}
     version = torch_version_of(torch_root)
     for r in results:
         r.tests = find_tests(exporter.repo_root, r)
-        r.message = commit_message(exporter, r, by_name, version)
+        if r.module is None:
+            r.message = commit_message(exporter, r, by_name, version)
+        else:
+            r.message = new_module_message(exporter, r, by_name[r.patch.name], version)
     return exporter, results
+
+
+#: Upstream's title tag for a commit adding a module under each tree.
+_AREA = (("torch/_dynamo/", "[dynamo]"), ("torch/_inductor/", "[inductor]"), ("torch/_functorch/", "[aotd]"), ("torch/", "[utils]"))
+
+
+def new_module_message(exporter: Exporter, e: PatchExport, user: PatchExport, version: str) -> str:
+    """The message of a commit adding one new module (``split_new_modules``)."""
+    rel = e.files[0]
+    area = next(tag for prefix, tag in _AREA if rel.startswith(prefix))
+    doc = _module_doc(exporter, f"{e.source}:")
+    first = doc.split("\n\n", 1)[0].replace("\n", " ").strip().rstrip(".") if doc else e.module
+    short = e.module.rpartition(".")[2]
+    defined = ", ".join(f"`{a.partition(':')[2]}`" for a in e.added)
+    if e.creates:
+        subject = f"{area} Add {short}: {first[:1].lower()}{first[1:]}"
+    else:
+        names = [a.partition(":")[2] for a in e.added]
+        subject = f"{area} {short}: add " + (", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else "what the next commits use")
+    if len(subject) > 100:
+        subject = subject[:100].rsplit(" ", 1)[0] + "..."
+    lines = [_KEEP + subject, ""]
+    if doc and e.creates:
+        lines += [_KEEP + line for line in doc.splitlines()] + [""]
+    if e.creates:
+        lines.append(f"New module `{rel}`, used from the commit \"{user.patch.summary}\" on.")
+    else:
+        lines.append(f"Extends `{rel}` with what the commit \"{user.patch.summary}\" uses.")
+    if e.added:
+        lines.append(f"Defines: {defined}.")
+    lines += ["", "Test Plan:"]
+    if e.tests:
+        lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(e.tests)}")
+    lines.append(f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)")
+    body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
+    body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches module `{e.source}` for patch `{e.patch.name}`, against torch {version}"]
+    return "\n".join(_wrap(line) for line in body).rstrip() + "\n"
 
 
 def knob_map(results: Sequence[PatchExport]) -> dict[str, str]:
@@ -210,7 +252,10 @@ def write_out(out_dir: str, torch_root: str, results: Sequence[PatchExport]) -> 
         "torch_version": torch_version_of(torch_root),
         "patches": [
             {
-                "name": r.patch.name,
+                "name": r.name,
+                "patch": r.patch.name,
+                "subject": r.subject if r.status == "exported" else None,
+                "changed_lines": r.changed_lines(),
                 "status": r.status,
                 "file": r.filename if r.status == "exported" else None,
                 "reason": r.reason or None,
@@ -236,18 +281,69 @@ def write_out(out_dir: str, torch_root: str, results: Sequence[PatchExport]) -> 
     return summary
 
 
+#: The size a reviewer takes in one commit (changed lines of library code).
+REVIEWABLE_LINES = 500
+
+
+#: Why a commit is bigger than :data:`REVIEWABLE_LINES` (said in ``SUMMARY.md``).
+LARGE_REASONS = {
+    "add-hook_identity": (
+        "one walk of a hook's dependencies (code, closures, globals, modules, objects, "
+        "tensors, installed libraries) and the keys built from it: the walk's cases are "
+        "branches of one recursive function, and a commit with half of them would key a hook "
+        "by less than it reads"
+    ),
+    "add-graph_surgery": (
+        "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
+        "rewrite of the graph pair: any one alone leaves graphs that do not run"
+    ),
+    "aot.inline_saved_tensors_hooks": (
+        "the inliner's driver (phases over the saved-tensor records) in place of upstream's "
+        "maybe_inline_graph_saved_tensors_hooks, with its knobs; every module it calls is a "
+        "commit before it, and a driver without one of its phases changes what is inlined"
+    ),
+}
+
+
 def summary_text(results: Sequence[PatchExport], version: str) -> str:
-    lines = [f"# Upstream export against torch {version}", ""]
+    """``SUMMARY.md``: what a reviewer reads first, one entry per commit."""
+    exported = [r for r in results if r.status == "exported"]
+    lines = [
+        f"# Upstream export against torch {version}",
+        "",
+        f"{len(exported)} commits. New modules are commits of their own, before the commit that "
+        f"first uses them. Proposed homes: the hooks library at `{_names.HOOKS_HOME}`, "
+        f"knobs under `torch._functorch.config` (`config-map.json`), log artifact "
+        f"`{_names.ARTIFACT}`.",
+        "",
+        "| # | commit | files | changed lines |",
+        "|---|---|---|---|",
+    ]
+    for r in exported:
+        size = r.changed_lines()
+        flag = f"**{size}** (over {REVIEWABLE_LINES})" if size > REVIEWABLE_LINES else str(size)
+        lines.append(f"| {r.number:02d} | {r.subject} | {', '.join(f'`{f}`' for f in r.files)} | {flag} |")
+    lines.append("")
+    for r in exported:
+        lines.append(f"## {r.number:02d} {r.subject}")
+        lines.append("")
+        body = r.message.split("\n\n", 1)[1] if "\n\n" in r.message else ""
+        motivation = body.split("\n\n", 1)[0].strip()
+        if motivation:
+            lines += [motivation, ""]
+        size = r.changed_lines()
+        if size > REVIEWABLE_LINES:
+            reason = LARGE_REASONS.get(r.name, "no reason recorded: split it")
+            lines.append(f"Size: {size} changed lines, over {REVIEWABLE_LINES}: {reason}.")
+        if r.tests:
+            lines.append("Tests: " + ", ".join(f"`{t}`" for t in r.tests))
+        for note in r.notes:
+            lines.append(f"Note: {note}")
+        lines.append("")
     for r in results:
-        if r.status == "exported":
-            lines.append(f"* {r.filename}: {r.patch.summary} ({', '.join(r.files)})")
-            for note in r.notes:
-                lines.append(f"  * note: {note}")
-        else:
-            lines.append(f"* {r.patch.name}: skipped: {r.reason}")
-    n = sum(r.status == "exported" for r in results)
-    lines += ["", f"{n} exported, {len(results) - n} skipped"]
-    return "\n".join(lines) + "\n"
+        if r.status != "exported":
+            lines.append(f"* {r.name}: skipped: {r.reason}")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # ------------------------------------------------------------------------ stack
@@ -271,7 +367,7 @@ def make_stack(stack_dir: str, exporter: Exporter, results: Sequence[PatchExport
     ).returncode == 0
     if has_head and git("status", "--porcelain", cwd=stack_dir).strip():
         raise RuntimeError(f"{stack_dir} has uncommitted changes; commit or clean them first")
-    touched = sorted({rel for r in exported for rel in r.files})
+    touched = sorted({rel for r in exported for rel in r.files if exporter.base.get(rel)})
     missing = [rel for rel in touched if not os.path.exists(os.path.join(stack_dir, rel))]
     if missing:
         if has_head and len(missing) != len(touched):
@@ -304,22 +400,23 @@ def _dates() -> dict[str, str]:
 # ---------------------------------------------------------------------- overlay
 
 
-def make_overlay(dest: str, torch_root: str, files: dict[str, str]) -> str:
+def make_overlay(dest: str, torch_root: str, files: dict[str, str], new_files: Sequence[str] = ()) -> str:
     """A ``torch`` package under ``dest`` that is ``torch_root``'s with ``files`` replaced.
 
-    Every directory on the way to a replaced file is a real directory; everything else is
-    a symlink into the installed torch (no copy of the shared libraries). ``files``:
-    relpath (``torch/...``) -> text. Returns ``dest`` (put it first on PYTHONPATH).
+    Every directory on the way to a replaced file, or to one of ``new_files`` (created
+    later, by a diff), is a real directory; everything else is a symlink into the installed
+    torch (no copy of the shared libraries). ``files``: relpath (``torch/...``) -> text.
+    Returns ``dest`` (put it first on PYTHONPATH).
     """
     real_dirs: set[str] = set()
-    for rel in files:
+    for rel in [*files, *new_files]:
         parts = rel.split("/")[:-1]
         for i in range(1, len(parts) + 1):
             real_dirs.add("/".join(parts[:i]))
     for d in sorted(real_dirs, key=lambda x: x.count("/")):
         os.makedirs(os.path.join(dest, d), exist_ok=True)
         src_dir = os.path.join(torch_root, d)
-        for entry in sorted(os.listdir(src_dir)):
+        for entry in sorted(os.listdir(src_dir)) if os.path.isdir(src_dir) else ():
             rel = f"{d}/{entry}"
             if rel in real_dirs or rel in files or entry == "__pycache__":
                 continue
@@ -334,15 +431,22 @@ def make_overlay(dest: str, torch_root: str, files: dict[str, str]) -> str:
     return dest
 
 
-def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport]) -> str:
-    """Overlay of the pristine touched files, then every diff applied with ``git apply``."""
-    exported = [r for r in results if r.status == "exported"]
+def pristine_overlay(dest: str, torch_root: str, exported: Sequence[PatchExport]) -> None:
+    """An overlay of ``torch_root`` with the files the stack touches as they are there (the
+    directories of the files it creates real, for the diffs to create them in)."""
     touched = sorted({rel for r in exported for rel in r.files})
     pristine = {}
     for rel in touched:
-        with open(os.path.join(torch_root, rel), encoding="utf-8") as f:
-            pristine[rel] = f.read()
-    make_overlay(dest, torch_root, pristine)
+        if os.path.exists(os.path.join(torch_root, rel)):
+            with open(os.path.join(torch_root, rel), encoding="utf-8") as f:
+                pristine[rel] = f.read()
+    make_overlay(dest, torch_root, pristine, [rel for rel in touched if rel not in pristine])
+
+
+def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport]) -> str:
+    """Overlay of the pristine touched files, then every diff applied with ``git apply``."""
+    exported = [r for r in results if r.status == "exported"]
+    pristine_overlay(dest, torch_root, exported)
     for r in exported:
         for rel in r.files:  # git apply must not follow symlinks out of the overlay
             if os.path.islink(os.path.join(dest, rel)):
@@ -357,6 +461,35 @@ def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport])
     return dest
 
 
+def import_each_commit(results: Sequence[PatchExport], torch_root: str, workdir: str, python: str) -> list[str]:
+    """Apply the stack to an overlay of ``torch_root`` one commit at a time and, after each,
+    import in a fresh interpreter every module the commit touched (with torch): a commit
+    that needs a later one to import is named.  Returns the failures (empty: each commit
+    builds on its own)."""
+    exported = [r for r in results if r.status == "exported"]
+    dest = os.path.join(workdir, "site")
+    pristine_overlay(dest, torch_root, exported)
+    failures = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = dest
+    for r in exported:
+        proc = subprocess.run(
+            ["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=_no_repo_env(dest)
+        )
+        if proc.returncode != 0:
+            failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
+            break
+        modules = [rel[: -len(".py")].removesuffix("/__init__").replace("/", ".") for rel in r.files]
+        # torch._dynamo first, as torch.compile imports it (some of torch's own modules do
+        # not import alone, e.g. runtime_wrappers).
+        code = "import torch\nimport torch._dynamo\n" + "".join(f"import {m}\n" for m in modules)
+        proc = subprocess.run([python, "-c", code], cwd=workdir, env=env, text=True, capture_output=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            failures.append(f"{r.filename}: importing {', '.join(modules)}: {last}")
+    return failures
+
+
 def copy_tree_texts(results: Sequence[PatchExport]) -> dict[str, str]:
     out: dict[str, str] = {}
     for r in results:
@@ -366,6 +499,7 @@ def copy_tree_texts(results: Sequence[PatchExport]) -> dict[str, str]:
 
 __all__ = [
     "apply_to_overlay",
+    "import_each_commit",
     "check_applies",
     "commit_message",
     "format_patch",

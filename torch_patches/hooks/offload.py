@@ -281,8 +281,10 @@ def cpu_offload(pin_memory: bool = True) -> tuple[Any, Any]:
     fp8 payload and its scales (a quarter of float32's transfer).  A pair chained after
     ``cpu_offload()`` would read host tensors whose copy may still be in flight.
     """
+    # upstream: not exported
     from torch_patches import applied_patches, is_applied
 
+    # upstream: not exported
     if is_applied() and "inductor.free_without_reuse" not in applied_patches():
         raise RuntimeError(
             "cpu_offload() needs the offload patches (Inductor would reuse an offloaded "
