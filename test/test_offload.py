@@ -95,8 +95,8 @@ def _(g: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(g)
 
 
-_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.saved_tensors_hooks_test.raise_in_backward(g))
-ops_test = torch.ops.saved_tensors_hooks_test
+_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.torch_patches_test.raise_in_backward(g))
+ops_test = torch.ops.torch_patches_test
 
 
 def offload_chain() -> Any:
