@@ -25,6 +25,7 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
+from tools.export_upstream._tests import upstream_test
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
 from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
@@ -74,18 +75,20 @@ class TestExport(unittest.TestCase):
             self.assertIn(f"Retire when: {r.patch.retire_when}"[:60], r.message.replace("\n", " "))
 
     def test_new_modules_are_commits_of_their_own(self):
-        # A module of ours with no upstream counterpart is one commit adding one new file,
-        # before the commit of the patch that first uses it, and one commit per later patch
-        # that extends it; the patch's own commit changes upstream's files only.
+        # A module of ours with no upstream counterpart is one commit adding one new file
+        # (the whole module, with the upstream test file made from ours where there is one),
+        # before the commit of the patch that first uses it; the patch's own commit changes
+        # upstream's files only.
         _, results = exported()
         position = {}
         for i, r in enumerate(results):
             if r.module is not None:
-                self.assertEqual(len(r.files), 1, r.name)
-                self.assertEqual("new file mode" in r.diff, r.creates, r.name)
-                if r.creates:
-                    self.assertEqual(r.before, {r.files[0]: ""})
-                    self.assertTrue(r.subject.split("] ", 1)[1].startswith("Add "), r.subject)
+                library = [f for f in r.files if f.startswith("torch/")]
+                self.assertEqual(len(library), 1, r.name)
+                self.assertEqual(sorted(set(r.files) - set(library)), r.upstream_tests, r.name)
+                self.assertTrue(r.creates, r.name)
+                self.assertEqual(r.before[library[0]], "")
+                self.assertTrue(r.subject.split("] ", 1)[1].startswith("Add "), r.subject)
                 position.setdefault(r.patch.name, []).append(i)
             else:
                 self.assertNotIn("new file mode", r.diff, r.name)
@@ -110,6 +113,23 @@ class TestExport(unittest.TestCase):
             self.assertEqual(leftovers(text), [], r.filename)
             self.assertEqual(sum(line.startswith(PROVENANCE) for line in r.message.splitlines()), 1, r.filename)
         self.assertNotIn("torch_patches.config", "".join(r.diff for r in results))
+
+    def test_tests_become_upstream_test_files(self):
+        # Our solver test is the "Add solver" commit's upstream test file: upstream imports,
+        # upstream's TestCase, an Owner(s) line; the commit's Test Plan runs it (and
+        # test_each_commit_imports_alone runs it right after that commit is applied).
+        _, results = exported()
+        (carrier,) = [r for r in results if r.upstream_tests]
+        self.assertEqual(carrier.name, "add-solver")
+        (rel,) = carrier.upstream_tests
+        text = carrier.after[rel]
+        self.assertTrue(text.startswith('# Owner(s): ["module: functorch"]'))
+        self.assertIn("from torch._functorch._aot_autograd.activation_budget import solver", text)
+        self.assertIn("from torch._dynamo.test_case import TestCase", text)
+        self.assertEqual(leftovers(text), [])
+        self.assertIn(f"python {rel}", carrier.message)
+        with self.assertRaisesRegex(ValueError, "still imports torch_patches"):
+            upstream_test("import torch_patches.bench\n", "x", lambda t: t)
 
     def test_upstream_names_rules(self):
         homes = {"torch_patches._numerics": "torch._functorch._aot_autograd.graph_compile"}.get
@@ -166,7 +186,7 @@ class TestExport(unittest.TestCase):
                 body = _git("log", "-1", "--format=%B", commit, cwd=tmp)
                 self.assertEqual(body.strip(), r.message.strip())
                 changed = _git("show", "--name-only", "--format=", commit, cwd=tmp).split()
-                self.assertEqual(sorted(changed), r.files)
+                self.assertEqual(sorted(changed), sorted(r.files))
             self.assertEqual(_git("status", "--porcelain", cwd=tmp), "")
 
     def test_cli_writes_patches_and_skips_unresolvable(self):

@@ -5,7 +5,8 @@
 
 ``export`` writes one git-format-patch file per commit (``NN-<name>.patch``, in stack
 order, each against the sources as the previous ones leave them): each patch's commit,
-preceded by one commit per new upstream module it adds or extends (``split_new_modules``);
+preceded by one commit per new upstream module it adds (``split_new_modules``; with the
+upstream test file made from ours, ``_tests.py``);
 ``SUMMARY.md`` (every commit, its size, why one is large), ``summary.json`` and
 ``config-map.json`` (our config knobs -> their upstream names).  The exported text speaks
 upstream's names (``_names.py``).

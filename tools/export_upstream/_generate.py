@@ -142,6 +142,8 @@ class PatchExport:
     module: str | None = None
     #: The module of ours the new module stands for (with ``module``).
     source: str | None = None
+    #: Upstream test files this commit adds (``_tests.py``), run right after it is applied.
+    upstream_tests: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def creates(self) -> bool:
@@ -165,11 +167,14 @@ class PatchExport:
         return self.message.partition("\n")[0] if self.message else self.patch.summary
 
     def changed_lines(self) -> int:
-        """Lines the diff adds or removes (file headers aside)."""
-        return sum(
-            1 for line in self.diff.splitlines()
-            if line[:1] in "+-" and not line.startswith(("+++ ", "--- "))
-        )
+        """Lines of library code the diff adds or removes (file headers and tests aside)."""
+        count, library = 0, True
+        for line in self.diff.splitlines():
+            if line.startswith("diff --git "):
+                library = not line.split(" b/", 1)[1].startswith("test/")
+            elif library and line[:1] in "+-" and not line.startswith(("+++ ", "--- ")):
+                count += 1
+        return count
 
 
 @dataclasses.dataclass
@@ -815,6 +820,12 @@ class _Job:
         self.queue.append((tp_module, name))
         if is_knob:
             self.knobs[name] = f"{dest}.{final}"
+        if dest in self.ex.new_modules and not self.state.texts.get(self.ex.new_modules[dest]):
+            # A new module comes whole, as ours is (its own tests use all of it), in the
+            # commit that creates it.
+            for other, b in sorted(src.bindings.items(), key=lambda kv: kv[1].index):
+                if b.kind != "import" and not b.type_checking and (tp_module, other) not in self.state.placed:
+                    self.place(tp_module, other)
         return dest, final
 
     def dest_module(self, tp_module: str) -> str:

@@ -10,8 +10,8 @@ import tempfile
 import textwrap
 from collections.abc import Sequence
 
-from tools.export_upstream import _names
-from tools.export_upstream._generate import Exporter, PatchExport, split_new_modules
+from tools.export_upstream import _names, _tests
+from tools.export_upstream._generate import Exporter, PatchExport, split_new_modules, unified_diff
 
 #: Fixed author date: the output is deterministic.
 DATE = "Thu, 1 Jan 1970 00:00:00 +0000"
@@ -132,6 +132,8 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
     for note in e.notes:
         lines.append(f"Note: {note}")
     lines += ["", "Test Plan:"]
+    for t in e.upstream_tests:
+        lines.append(f"python {t}")
     tests = e.tests or []
     if tests:
         lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(tests)}")
@@ -184,6 +186,12 @@ def run_export(torch_root: str, patches: Sequence, repo_root: str | None = None)
     version = torch_version_of(torch_root)
     for r in results:
         r.tests = find_tests(exporter.repo_root, r)
+        carried = _tests.tests_for(r.name, exporter.repo_root, lambda t: exporter.upstream_names(t, exporter.state))
+        for rel, text in sorted(carried.items()):
+            r.diff += unified_diff(rel, "", text)
+            r.files.append(rel)
+            r.before[rel], r.after[rel] = "", text
+        r.upstream_tests = sorted(carried)
         if r.module is None:
             r.message = commit_message(exporter, r, by_name, version)
         else:
@@ -220,6 +228,8 @@ def new_module_message(exporter: Exporter, e: PatchExport, user: PatchExport, ve
     if e.added:
         lines.append(f"Defines: {defined}.")
     lines += ["", "Test Plan:"]
+    for t in e.upstream_tests:
+        lines.append(f"python {t}")
     if e.tests:
         lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(e.tests)}")
     lines.append(f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)")
@@ -292,6 +302,12 @@ LARGE_REASONS = {
         "tensors, installed libraries) and the keys built from it: the walk's cases are "
         "branches of one recursive function, and a commit with half of them would key a hook "
         "by less than it reads"
+    ),
+    "add-hook_tracing": (
+        "tracing a hook (with the saved tensor's metadata, the lifted inputs, packed "
+        "subclasses) and the hook contract checked while tracing (purity, aliasing, side "
+        "effects): the contract is how a trace is refused, so the tracer alone would inline "
+        "hooks it must refuse"
     ),
     "add-graph_surgery": (
         "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
@@ -479,7 +495,9 @@ def import_each_commit(results: Sequence[PatchExport], torch_root: str, workdir:
         if proc.returncode != 0:
             failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
             break
-        modules = [rel[: -len(".py")].removesuffix("/__init__").replace("/", ".") for rel in r.files]
+        modules = [
+            rel[: -len(".py")].removesuffix("/__init__").replace("/", ".") for rel in r.files if rel.startswith("torch/")
+        ]
         # torch._dynamo first, as torch.compile imports it (some of torch's own modules do
         # not import alone, e.g. runtime_wrappers).
         code = "import torch\nimport torch._dynamo\n" + "".join(f"import {m}\n" for m in modules)
@@ -487,6 +505,13 @@ def import_each_commit(results: Sequence[PatchExport], torch_root: str, workdir:
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             failures.append(f"{r.filename}: importing {', '.join(modules)}: {last}")
+        if r.upstream_tests:  # its own tests, every later commit still absent
+            proc = subprocess.run(
+                [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *r.upstream_tests],
+                cwd=dest, env=env, text=True, capture_output=True,
+            )
+            if proc.returncode != 0:
+                failures.append(f"{r.filename}: its tests: {proc.stdout.strip()[-2000:]}")
     return failures
 
 
