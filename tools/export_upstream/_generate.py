@@ -282,8 +282,9 @@ class Exporter:
         """The text a new upstream module starts from: our module's docstring, and
         ``from __future__ import annotations`` (our code is written for it)."""
         src = self.tp_source(self.new_module_sources[module])
-        doc = ast.get_docstring(src.tree, clean=False)
-        head = f'"""{doc}"""\n\n' if doc else ""
+        first = src.tree.body[0] if src.tree.body else None
+        is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+        head = ast.get_source_segment(src.text, first) + "\n\n" if is_doc else ""  # as written (r-strings...)
         return head + "from __future__ import annotations\n"
 
     def tp_source(self, module: str) -> Source:
