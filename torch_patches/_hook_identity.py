@@ -758,12 +758,40 @@ def leaf_cache_hash(node: torch.fx.Node) -> str | None:
 _LIFT_MAX_DEPTH = 6
 
 
+#: Steps that read an item of one of the object's attributes.
+_HOLDERS = {
+    "global": "__globals__",
+    "default": "__defaults__",
+    "kwdefault": "__kwdefaults__",
+    "arg": "args",
+    "keyword": "keywords",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One hop from an object to what it references: ``kind`` and the name or index."""
 
     kind: str  # closure | global | default | kwdefault | func | self | arg | keyword | attr | item
     key: Any = None
+
+    def accesses(self, v: Any) -> tuple[tuple[str, Any], ...]:
+        """The plain accesses the step makes from ``v``: ``("attr", name)`` or ``("item",
+        key)``, in order (one description for following it now and for Dynamo's source)."""
+        kind, key = self.kind, self.key
+        if kind == "closure":
+            return (("attr", "__closure__"), ("item", v.__code__.co_freevars.index(key)), ("attr", "cell_contents"))
+        if kind in _HOLDERS:
+            return (("attr", _HOLDERS[kind]), ("item", key))
+        if kind == "func":
+            return (("attr", "__func__" if isinstance(v, types.MethodType) else "func"),)
+        if kind == "self":
+            return (("attr", "__self__"),)
+        if kind == "item":
+            return (("item", key),)
+        if kind == "attr":
+            return (("attr", key),)
+        raise LookupError(kind)
 
     def describe(self) -> str:
         if self.kind in ("func", "self"):
@@ -900,28 +928,8 @@ def resolve(fn: Any, path: tuple[Step, ...]) -> Any:
     v = fn
     for step in path:
         try:
-            if step.kind == "closure":
-                v = v.__closure__[v.__code__.co_freevars.index(step.key)].cell_contents
-            elif step.kind == "global":
-                v = v.__globals__[step.key]
-            elif step.kind == "default":
-                v = v.__defaults__[step.key]
-            elif step.kind == "kwdefault":
-                v = v.__kwdefaults__[step.key]
-            elif step.kind == "func":
-                v = v.__func__ if isinstance(v, types.MethodType) else v.func
-            elif step.kind == "self":
-                v = v.__self__
-            elif step.kind == "arg":
-                v = v.args[step.key]
-            elif step.kind == "keyword":
-                v = v.keywords[step.key]
-            elif step.kind == "item":
-                v = v[step.key]
-            elif step.kind == "attr":
-                v = getattr(v, step.key)
-            else:
-                raise LookupError(step.kind)
+            for how, key in step.accesses(v):
+                v = getattr(v, key) if how == "attr" else v[key]
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
             raise LookupError(f"{step.describe()}: {type(e).__name__}: {e}") from None
     return v

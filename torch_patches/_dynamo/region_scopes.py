@@ -13,7 +13,6 @@ the pair's content digest, so AOTAutogradCache keys on it.
 
 from __future__ import annotations
 
-import types
 import uuid
 from typing import Any
 
@@ -31,48 +30,26 @@ def _source_name(source: Any) -> str:
 
 
 def _source_at(base: Any, fn: Any, path: tuple[Any, ...]) -> Any:
-    """The Dynamo source of what ``path`` leads to from ``fn``, which is read at ``base``."""
+    """The Dynamo source of what ``path`` leads to from ``fn``, which is read at ``base``
+    (the accesses ``_hook_identity.resolve`` makes, as sources)."""
     from torch._dynamo.source import AttrSource, GetItemSource
 
     source, v = base, fn
     for step in path:
-        kind, key = step.kind, step.key
-        if kind == "closure":
-            cells = AttrSource(source, "__closure__")
-            source = AttrSource(GetItemSource(cells, v.__code__.co_freevars.index(key)), "cell_contents")
-        elif kind in ("global", "default", "kwdefault", "arg", "keyword"):
-            holder = {"global": "__globals__", "default": "__defaults__", "kwdefault": "__kwdefaults__"}
-            source = GetItemSource(AttrSource(source, holder.get(kind, kind + "s")), key)
-        elif kind == "func":
-            source = AttrSource(source, "__func__" if isinstance(v, types.MethodType) else "func")
-        elif kind == "self":
-            source = AttrSource(source, "__self__")
-        elif kind == "item":
-            source = GetItemSource(source, key)
-        else:
-            source = AttrSource(source, key)
+        for how, key in step.accesses(v):
+            source = AttrSource(source, key) if how == "attr" else GetItemSource(source, key)
         v = hook_keys.resolve(v, (step,))
     return source
 
 
 def lift_scope_inputs(tx: Any, hooks: list[tuple[str, Any, Any]]) -> list[tuple[Any, Any]]:
     """Make the tensors a scope's hooks read (``hooks``: role, hook, the hook's source) inputs
-    of the frame's graph: ``(LiftedTensor, Dynamo placeholder)`` for each path; one input per
-    tensor. Warns about those it cannot lift (they stay keyed by value)."""
-    lifted: list[tuple[Any, Any]] = []
-    node_of: dict[int, Any] = {}
-    for role, fn, source in hooks:
-        found, refused = hook_keys.find_inputs(fn, role)
-        for t in found:
-            node = node_of.get(id(t.tensor))
-            if node is None:
-                node = symbolic_convert.add_hook_input(tx, _source_at(source, fn, t.path), t.tensor)
-            if node is None:
-                refused.append(f"{t.describe()}: Dynamo reads it as a constant of the graph")
-                continue
-            node_of[id(t.tensor)] = node
-            lifted.append((t, node))
-        symbolic_convert.warn_not_lifted(fn, refused)
+    of the frame's graph, read at sources built from the hook's: ``(LiftedTensor, Dynamo
+    placeholder)`` for each path. Those Dynamo reads as constants stay keyed by value."""
+    sources = {id(fn): source for _, fn, source in hooks}
+    lifted, _ = symbolic_convert.lift_inputs(
+        tx, [(role, fn) for role, fn, _ in hooks], lambda fn, t: (_source_at(sources[id(fn)], fn, t.path), t.tensor)
+    )
     return lifted
 
 

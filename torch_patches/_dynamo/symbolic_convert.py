@@ -54,16 +54,45 @@ _warned: set[Any] = set()
 
 def warn_not_lifted(fn: Any, reasons: list[str]) -> None:
     """Say once per hook and reason why a tensor it reads stays a constant of the graphs."""
+    if not reasons:
+        return
+    digest = hook_keys.hook_identity(fn).digest
     for reason in reasons:
-        key = (hook_keys.hook_identity(fn).digest, reason)
-        if key in _warned:
+        if (digest, reason) in _warned:
             continue
-        _warned.add(key)
+        _warned.add((digest, reason))
         warnings.warn(
             f"torch_patches: saved tensors hook {hook_utils.hook_name(fn)}: {reason}; its "
             "values are part of the compiled graph's key, so changing them recompiles",
             stacklevel=2,
         )
+
+
+def lift_inputs(
+    tx: Any, hooks: list[tuple[str, Any]], read_at: Callable[[Any, Any], tuple[Any, torch.Tensor]]
+) -> tuple[list[tuple[Any, Any]], list[Any]]:
+    """Make the tensors ``hooks`` (role, hook) read graph inputs of ``tx``'s frame, one input
+    per tensor, each read as ``read_at(hook, LiftedTensor)`` says (its source, and the value
+    the source gives now): ``(LiftedTensor, Dynamo placeholder)`` for each path, and the
+    tensors Dynamo did not make inputs. What cannot be lifted is warned about (it stays keyed
+    by value)."""
+    lifted: list[tuple[Any, Any]] = []
+    constants: list[Any] = []
+    node_of: dict[int, Any] = {}
+    for role, fn in hooks:
+        found, refused = hook_keys.find_inputs(fn, role)
+        for t in found:
+            node = node_of.get(id(t.tensor))
+            if node is None:
+                node = add_hook_input(tx, *read_at(fn, t))
+            if node is None:
+                refused.append(f"{t.describe()}: Dynamo reads it as a constant of the graph")
+                constants.append(t)
+                continue
+            node_of[id(t.tensor)] = node
+            lifted.append((t, node))
+        warn_not_lifted(fn, refused)
+    return lifted, constants
 
 
 def lift_hook_inputs(tx: Any) -> None:
@@ -78,24 +107,21 @@ def lift_hook_inputs(tx: Any) -> None:
     found = _compile_facts.facts(tx.output.tracing_context)
     if found is None:
         return
-    lifted: dict[int, Any] = {}
-    for role, fn in (("pack", hooks[0]), ("unpack", hooks[1])):
-        inputs, refused = hook_keys.find_inputs(fn, role)
-        warn_not_lifted(fn, refused)
-        for t in inputs:
-            if id(t.tensor) in lifted:
-                continue
-            # Run by the guards and the compiled frame at each call: never traced itself.
-            fetch: Callable[[], Any] = torch._dynamo.disable(
-                functools.partial(hook_keys.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
-                reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
-            )
-            name = tx.output.install_global("__saved_tensors_hook_input", fetch)
-            node = add_hook_input(tx, CallFunctionNoArgsSource(GlobalSource(name)), fetch())
-            if node is None:
-                raise AssertionError(f"{t.describe()}: Dynamo did not make it a graph input")
-            lifted[id(t.tensor)] = ("ambient", t, node)
-    found.hook_inputs.extend(lifted.values())
+
+    def read_at(fn: Any, t: Any) -> tuple[Any, torch.Tensor]:
+        # Run by the guards and the compiled frame at each call: never traced itself.
+        fetch: Callable[[], Any] = torch._dynamo.disable(
+            functools.partial(hook_keys.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
+            reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
+        )
+        name = tx.output.install_global("__saved_tensors_hook_input", fetch)
+        return CallFunctionNoArgsSource(GlobalSource(name)), fetch()
+
+    lifted, constants = lift_inputs(tx, [("pack", hooks[0]), ("unpack", hooks[1])], read_at)
+    if constants:
+        # The ambient keys take every tensor the hooks read as an input (lift=True).
+        raise AssertionError(f"{constants[0].describe()}: Dynamo did not make it a graph input")
+    found.hook_inputs.extend(("ambient", t, node) for t, node in lifted)
 
 
 def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
