@@ -146,17 +146,9 @@ class PatchExport:
     upstream_tests: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def creates(self) -> bool:
-        """A commit that creates its module (else it extends one an earlier commit made)."""
-        return self.module is not None and not any(self.before.values())
-
-    @property
     def name(self) -> str:
-        """The commit's name: the patch's, or ``add-``/``extend-<module>-for-<patch>``."""
-        if self.module is None:
-            return self.patch.name
-        short = self.module.rpartition(".")[2]
-        return f"add-{short}" if self.creates else f"extend-{short}-for-{self.patch.name}"
+        """The commit's name: the patch's, or ``add-<module>``."""
+        return self.patch.name if self.module is None else "add-" + self.module.rpartition(".")[2]
 
     @property
     def filename(self) -> str:
@@ -466,37 +458,36 @@ class Exporter:
 
 
 def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> list[PatchExport]:
-    """What a patch does to new upstream modules becomes commits of their own, right before
-    the patch's: one per module it creates (``Add ...``) and one per module an earlier commit
-    created that it extends (``Extend ...``), dependencies first (packages before their
-    modules, then by how deep the module sits in our imports).  Nothing uses these modules
-    until the patch's own commit, which keeps the changes to upstream's files, so each of
-    these commits builds alone (``import_each_commit`` checks it)."""
+    """Each new upstream module a patch creates (whole, see ``_Job.place``) becomes a commit
+    of its own, ``Add ...``, right before the patch's, dependencies first (packages before
+    their modules, then by how deep the module sits in our imports).  Nothing uses these
+    modules until the patch's own commit, which keeps the changes to upstream's files, so
+    each of these commits builds alone (``import_each_commit`` checks it)."""
     module_of = {rel: m for m, rel in exporter.new_modules.items()}
     out: list[PatchExport] = []
     for r in results:
-        parts = [rel for rel in r.files if r.status == "exported" and rel in module_of]
-        if not parts:
+        created = [rel for rel in r.files if r.status == "exported" and rel in module_of and not r.before.get(rel)]
+        if not created:
             out.append(r)
             continue
-        parts.sort(key=lambda rel: (
+        created.sort(key=lambda rel: (
             rel.count("/") - rel.endswith("__init__.py"),
             exporter.import_rank(exporter.new_module_sources[module_of[rel]]),
             rel,
         ))
         blocks = _diff_blocks(r.diff)
-        for rel in parts:
+        for rel in created:
             module = module_of[rel]
             out.append(PatchExport(
                 r.patch, r.number, files=[rel], diff=blocks[rel],
                 added=[a for a in r.added if a.partition(":")[0] == module],
-                before={rel: r.before[rel]}, after={rel: r.after[rel]},
+                before={rel: ""}, after={rel: r.after[rel]},
                 module=module, source=exporter.new_module_sources[module],
             ))
-        rest = [rel for rel in r.files if rel not in parts]
+        rest = [rel for rel in r.files if rel not in created]
         r.files = rest
         r.diff = "".join(blocks[rel] for rel in rest)
-        r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[p] for p in parts}]
+        r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[c] for c in created}]
         r.before = {rel: r.before[rel] for rel in rest}
         r.after = {rel: r.after[rel] for rel in rest}
         out.append(r)

@@ -131,20 +131,25 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
         ))
     for note in e.notes:
         lines.append(f"Note: {note}")
-    lines += ["", "Test Plan:"]
-    for t in e.upstream_tests:
-        lines.append(f"python {t}")
-    tests = e.tests or []
-    if tests:
-        lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(tests)}")
-    lines.append(
+    equivalence = (
         "Equivalence: python -m pytest test/test_export_upstream.py (this stack, applied to "
         "torch's sources, passes the exporting project's golden-graph tests with none of its "
         "runtime patches applied)"
     )
-    body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
     issue = f", issue #{p.issue}" if p.issue is not None else ""
-    body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches patch `{p.name}`{issue}, against torch {version}"]
+    return _finish(exporter, e, lines, equivalence, f"patch `{p.name}`{issue}, against torch {version}")
+
+
+def _finish(exporter: Exporter, e: PatchExport, lines: list[str], check: str, provenance: str) -> str:
+    """A commit message from its ``lines``: the Test Plan (the upstream test files it carries,
+    our tests, ``check``), upstream's names, the ``Exported-from:`` trailer (``provenance``),
+    wrapped."""
+    lines = [*lines, "", "Test Plan:", *(f"python {t}" for t in e.upstream_tests)]
+    if e.tests:
+        lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(e.tests)}")
+    lines.append(check)
+    body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
+    body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches {provenance}"]
     return "\n".join(_wrap(line) for line in body).rstrip() + "\n"
 
 
@@ -205,37 +210,21 @@ _AREA = (("torch/_dynamo/", "[dynamo]"), ("torch/_inductor/", "[inductor]"), ("t
 
 def new_module_message(exporter: Exporter, e: PatchExport, user: PatchExport, version: str) -> str:
     """The message of a commit adding one new module (``split_new_modules``)."""
-    rel = e.files[0]
+    rel = next(f for f in e.files if f.startswith("torch/"))
     area = next(tag for prefix, tag in _AREA if rel.startswith(prefix))
     doc = _module_doc(exporter, f"{e.source}:")
     first = doc.split("\n\n", 1)[0].replace("\n", " ").strip().rstrip(".") if doc else e.module
-    short = e.module.rpartition(".")[2]
-    defined = ", ".join(f"`{a.partition(':')[2]}`" for a in e.added)
-    if e.creates:
-        subject = f"{area} Add {short}: {first[:1].lower()}{first[1:]}"
-    else:
-        names = [a.partition(":")[2] for a in e.added]
-        subject = f"{area} {short}: add " + (", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else "what the next commits use")
+    subject = f"{area} Add {e.module.rpartition('.')[2]}: {first[:1].lower()}{first[1:]}"
     if len(subject) > 100:
         subject = subject[:100].rsplit(" ", 1)[0] + "..."
     lines = [_KEEP + subject, ""]
-    if doc and e.creates:
+    if doc:
         lines += [_KEEP + line for line in doc.splitlines()] + [""]
-    if e.creates:
-        lines.append(f"New module `{rel}`, used from the commit \"{user.patch.summary}\" on.")
-    else:
-        lines.append(f"Extends `{rel}` with what the commit \"{user.patch.summary}\" uses.")
+    lines.append(f"New module `{rel}`, used from the commit \"{user.patch.summary}\" on.")
     if e.added:
-        lines.append(f"Defines: {defined}.")
-    lines += ["", "Test Plan:"]
-    for t in e.upstream_tests:
-        lines.append(f"python {t}")
-    if e.tests:
-        lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(e.tests)}")
-    lines.append(f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)")
-    body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
-    body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches module `{e.source}` for patch `{e.patch.name}`, against torch {version}"]
-    return "\n".join(_wrap(line) for line in body).rstrip() + "\n"
+        lines.append("Defines: " + ", ".join(f"`{a.partition(':')[2]}`" for a in e.added) + ".")
+    check = f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)"
+    return _finish(exporter, e, lines, check, f"module `{e.source}` for patch `{e.patch.name}`, against torch {version}")
 
 
 def knob_map(results: Sequence[PatchExport]) -> dict[str, str]:
