@@ -18,6 +18,7 @@ import torch_patches
 from torch_patches import hooks
 from torch_patches.bench.measure import saved_bytes
 from torch_patches.hooks import cache_hash, inlineable
+from torch_patches.testing import hook_warnings
 
 
 def leaf_scale(x, s):
@@ -129,7 +130,7 @@ def main():
                 "inductor": {k: v for k, v in counters["inductor"].items() if "fxgraph" in k},
                 "grads": [x.grad.flatten().tolist(), w.grad.flatten().tolist()],
                 "saved_bytes": saved,
-                "warnings": [str(w.message) for w in caught if "torch_patches" in str(w.message)],
+                "warnings": hook_warnings(caught),
             }
         )
     )

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import identity_deps  # noqa: E402
+# upstream: not exported
 import torch_patches  # noqa: E402
 
 
@@ -24,6 +25,7 @@ def fn(x):
 
 def main():
     spec = json.loads(sys.argv[1])
+    # upstream: not exported
     torch_patches.apply()
     torch._functorch.config.saved_tensors_hooks_filtering_mode = "all"
     kind = identity_deps.KINDS[spec["kind"]]

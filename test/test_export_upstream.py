@@ -9,25 +9,29 @@ against it in a subprocess, *without*
 pass, so the upstream code builds the same graphs as the patches.
 """
 
+import ast
 import dataclasses
 import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import unittest
 
 import pytest
 
 import torch_patches._patches as patches_module
+import torch_patches.hooks
 from tools.export_upstream import (
     apply_to_overlay,
     check_applies,
     make_stack,
     run_export,
 )
-from tools.export_upstream._tests import upstream_test
+from tools.export_upstream._generate import API_COMMIT, is_test_file
+from tools.export_upstream._tests import HELPERS, Resolver, UpstreamTestError, upstream_test
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
-from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
+from tools.export_upstream._write import EFFECTS, LARGE_REASONS, RISKS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -60,11 +64,17 @@ class TestExport(unittest.TestCase):
 
     def test_every_record_exports(self):
         _, results = exported()
-        own = [r for r in results if r.module is None]
+        own = [r for r in results if r.module is None and r.patch.name != API_COMMIT]
         self.assertEqual(
             [r.patch.name for r in own],
             [p.name for p in patches_module.PATCHES if p.name in {r.patch.name for r in own}],
         )
+        # The last commit gives the hooks library's upstream home its public API: every name
+        # of ours, importable from the package (the modules no patch needs come before it).
+        self.assertEqual(results[-1].patch.name, API_COMMIT)
+        package = results[-1].after["torch/utils/saved_tensors_hooks/__init__.py"]
+        imported = {a.asname or a.name for n in ast.parse(package).body if isinstance(n, ast.ImportFrom) for a in n.names}
+        self.assertLessEqual(set(torch_patches.hooks.__all__), imported)
         skipped = [f"{r.patch.name}: {r.reason}" for r in results if r.status != "exported"]
         self.assertEqual(skipped, [], "patches whose upstream form cannot be produced")
         for r in results:
@@ -83,14 +93,15 @@ class TestExport(unittest.TestCase):
         position = {}
         for i, r in enumerate(results):
             if r.module is not None:
-                library = [f for f in r.files if f.startswith("torch/")]
+                library = [f for f in r.files if not is_test_file(f)]
                 self.assertEqual(len(library), 1, r.name)
-                self.assertEqual(sorted(set(r.files) - set(library)), r.upstream_tests, r.name)
+                self.assertEqual(sorted(f for f in r.files if f.startswith("test/")), r.upstream_tests, r.name)
                 self.assertEqual(r.before[library[0]], "", r.name)  # it creates its module
                 self.assertTrue(r.subject.split("] ", 1)[1].startswith("Add "), r.subject)
                 position.setdefault(r.patch.name, []).append(i)
             else:
-                self.assertNotIn("new file mode", r.diff, r.name)
+                for rel in r.files:  # only its tests and test helpers are new files
+                    self.assertTrue(r.before[rel] or is_test_file(rel), f"{r.name} creates {rel}")
                 for j in position.get(r.patch.name, []):
                     self.assertLess(j, i)
         self.assertIn("torch/_functorch/_aot_autograd/activation_budget/solver.py", {f for r in results for f in r.files})
@@ -99,6 +110,9 @@ class TestExport(unittest.TestCase):
         text = summary_text(results, "x")
         for r in results:
             self.assertIn(f"| {r.number:02d} | {r.subject} |", text)
+            if r.module is None:  # a commit that changes behaviour says how much, and its risk
+                self.assertIn(r.name, EFFECTS)
+                self.assertIn(r.name, RISKS)
             if r.changed_lines() > REVIEWABLE_LINES:
                 self.assertIn(r.name, LARGE_REASONS, f"{r.name}: {r.changed_lines()} lines without a stated reason")
 
@@ -114,21 +128,95 @@ class TestExport(unittest.TestCase):
         self.assertNotIn("torch_patches.config", "".join(r.diff for r in results))
 
     def test_tests_become_upstream_test_files(self):
-        # Our solver test is the "Add solver" commit's upstream test file: upstream imports,
-        # upstream's TestCase, an Owner(s) line; the commit's Test Plan runs it (and
-        # test_each_commit_imports_alone runs it right after that commit is applied).
+        # Our tests are upstream test files, carried by the commit that completes what they
+        # test (test_each_commit_imports_alone runs them right after it, every later commit
+        # absent): upstream imports, upstream's TestCase, an Owner(s) line, the commit's Test
+        # Plan runs them; our test helpers come as torch/testing/_internal modules with the
+        # first commit whose tests need them.
         _, results = exported()
-        (carrier,) = [r for r in results if r.upstream_tests]
-        self.assertEqual(carrier.name, "add-solver")
-        (rel,) = carrier.upstream_tests
-        text = carrier.after[rel]
-        self.assertTrue(text.startswith('# Owner(s): ["module: functorch"]'))
-        self.assertIn("from torch._functorch._aot_autograd.activation_budget import solver", text)
-        self.assertIn("from torch._dynamo.test_case import TestCase", text)
-        self.assertEqual(leftovers(text), [])
-        self.assertIn(f"python {rel}", carrier.message)
-        with self.assertRaisesRegex(ValueError, "still imports torch_patches"):
-            upstream_test("import torch_patches.bench\n", "x", lambda t: t)
+        carriers = {r.name: r for r in results if r.upstream_tests}
+        self.assertEqual(
+            sorted(carriers),
+            sorted(["add-solver", "aot.runtime_saved_tensors_hooks_context", "aot.autograd_cache_skip_eager_fallback", API_COMMIT]),
+        )
+        helpers = [rel for r in results for rel in r.files if rel.startswith("torch/testing/_internal/")]
+        self.assertEqual(sorted(helpers), sorted(rel for _, rel in HELPERS.values()))  # each added once
+        for r in carriers.values():
+            for rel in r.upstream_tests:
+                text = r.after[rel]
+                self.assertRegex(text.splitlines()[0], r'^# Owner\(s\): \["module: \w+"\]$', rel)
+                self.assertEqual(leftovers(text), [], rel)
+                self.assertNotRegex(text, r"^\s*(from|import) torch_patches\b", rel)
+                self.assertIn(f"python {rel}", r.message)
+        solver = carriers["add-solver"].after["test/functorch/test_activation_budget_solver.py"]
+        self.assertIn("from torch._functorch._aot_autograd.activation_budget import solver", solver)
+        self.assertIn("from torch._dynamo.test_case import TestCase", solver)
+        placement = carriers["aot.runtime_saved_tensors_hooks_context"].after["test/functorch/test_saved_tensors_hooks_placement.py"]
+        self.assertIn("from torch.testing._internal.common_saved_tensors_hooks import (", placement)
+        self.assertIn("import torch._functorch.config as tp_config", placement)
+        self.assertIn("tp_config.patch(saved_tensors_hooks_placement=", placement)
+
+    def test_upstream_test_rules(self):
+        homes = {
+            "torch_patches.hooks._inlineable": "torch.utils.saved_tensors_hooks._inlineable",
+        }
+        defined = {("torch_patches.hooks._inlineable", "inlineable"): ("torch.utils.saved_tensors_hooks._inlineable", "inlineable")}
+        imports = {("torch_patches.hooks", "inlineable"): "torch_patches.hooks._inlineable.inlineable"}
+        resolver = Resolver(
+            place=lambda m, n: defined.get((m, n)),
+            module_home=homes.get,
+            knob={"hook_placement": "saved_tensors_hooks_placement"}.get,
+            binding=lambda m, n: imports.get((m, n)),
+            names=lambda t: t,
+        )
+        ours = textwrap.dedent("""\
+            import pytest
+            import torch
+            import torch_patches.config as tp_config
+            from torch_patches.hooks import inlineable
+            from torch_patches.testing import TestCase
+
+            class TestStock(TestCase):
+                apply_patches = False
+
+                def test_a(self):
+                    pass
+
+            class TestOurs(TestCase):
+                @pytest.mark.slow
+                def test_b(self):
+                    # upstream: not exported
+                    torch_patches.apply()
+                    with tp_config.patch(hook_placement="boundary"), tp_config.patch("hook_placement", "at_use"):
+                        return inlineable, tp_config.hook_placement
+
+            instantiate_device_type_tests(TestStock, globals())
+            instantiate_device_type_tests(TestOurs, globals())
+        """)
+        text, helpers = upstream_test(ours, "module: functorch", resolver)
+        self.assertEqual(helpers, set())
+        self.assertEqual(text, """\
+# Owner(s): ["module: functorch"]
+
+import torch
+from torch.testing._internal.common_utils import slowTest
+import torch._functorch.config as tp_config
+from torch.utils.saved_tensors_hooks._inlineable import inlineable
+from torch._dynamo.test_case import TestCase
+
+
+class TestOurs(TestCase):
+    @slowTest
+    def test_b(self):
+        with tp_config.patch(saved_tensors_hooks_placement="boundary"), tp_config.patch('saved_tensors_hooks_placement', "at_use"):
+            return inlineable, tp_config.saved_tensors_hooks_placement
+
+instantiate_device_type_tests(TestOurs, globals())
+""")
+        with self.assertRaisesRegex(UpstreamTestError, "bench.*does not export"):
+            upstream_test("import torch_patches.bench as b\n", "x", resolver)
+        with self.assertRaisesRegex(UpstreamTestError, "applies the patch set"):
+            upstream_test("import torch_patches\ntorch_patches.apply()\n", "x", resolver)
 
     def test_upstream_names_rules(self):
         homes = {"torch_patches._numerics": "torch._functorch._aot_autograd.graph_compile"}.get

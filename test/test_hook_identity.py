@@ -16,7 +16,6 @@ Fresh-process cache claims (same hooks hit, a changed dependency misses or bypas
 ``TestHookIdentityAcrossProcesses`` (slow).
 """
 
-import functools
 import json
 import os
 import subprocess
@@ -35,12 +34,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_cfg
 import identity_deps as deps
-import torch_patches
 from torch_patches import config as tp_config
 from torch_patches import _hook_identity as hook_keys
 from torch_patches._hook_identity import hook_identity
 from torch_patches.hooks import inlineable
-from torch_patches.testing import TestCase, instantiate_device_type_tests
+from torch_patches.testing import TestCase, hook_warnings, instantiate_device_type_tests
 
 
 def fn(x):
@@ -185,18 +183,39 @@ class TestHookIdentity(IdentityTestCase):
         self.assertTrue(seen)
         self.assertTrue(all(d.is_floating_point for d in seen), seen)
 
+    def test_library_factory_hooks_are_keyed_by_what_they_were_made_with(self, device):
+        # A hook a library's factory made (torch's own ready-made hooks, upstream) is keyed
+        # by the library's version and by its closure and defaults: the same factory called
+        # with another dtype is another hook.
+        def factory(dtype, scale=2.0):
+            def pack(x, scale=scale):
+                return (x * scale).to(dtype)
+
+            def unpack(x):
+                return x.to(torch.float32) / scale
+
+            for f in (pack, unpack):
+                f.__module__ = "torch.utils.hooks"  # as if torch defined it
+            return inlineable(pack, unpack)
+
+        key = hook_keys.hooks_guard_key(factory(torch.bfloat16))
+        self.assertEqual(hook_keys.hooks_guard_key(factory(torch.bfloat16)), key)
+        self.assertNotEqual(hook_keys.hooks_guard_key(factory(torch.float16)), key)
+        self.assertNotEqual(hook_keys.hooks_guard_key(factory(torch.bfloat16, 4.0)), key)
+        self.assertNotEqual(hook_keys.hooks_cache_key(*factory(torch.float16))[0], hook_keys.hooks_cache_key(*factory(torch.bfloat16))[0])
+
     def test_config_is_part_of_the_key(self, device):
         hooks = deps.KINDS["module_attr"].hooks()
         base = hook_keys.hooks_cache_key(*hooks)[0]
         key = hook_keys.hooks_guard_key(hooks)
-        for knob, value in (
-            ("hook_placement", "boundary"),
-            ("unpack_prefetch_distance", 1),
-            ("reload_prefetch_distance", 7),
-            ("hooked_saved_tensor_dtypes", "all"),
-            ("validate_unpack", False),
+        for knob, patch in (
+            ("hook_placement", lambda: tp_config.patch(hook_placement="boundary")),
+            ("unpack_prefetch_distance", lambda: tp_config.patch(unpack_prefetch_distance=1)),
+            ("reload_prefetch_distance", lambda: tp_config.patch(reload_prefetch_distance=7)),
+            ("hooked_saved_tensor_dtypes", lambda: tp_config.patch(hooked_saved_tensor_dtypes="all")),
+            ("validate_unpack", lambda: tp_config.patch(validate_unpack=False)),
         ):
-            with self.subTest(knob=knob), tp_config.patch(**{knob: value}):
+            with self.subTest(knob=knob), patch():
                 self.assertNotEqual(hook_keys.hooks_cache_key(*hooks)[0], base)
                 self.assertNotEqual(hook_keys.hooks_guard_key(hooks), key)
 
@@ -261,7 +280,7 @@ class TestNotKeyable(IdentityTestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             grad = step(torch.compile(fn, backend="aot_eager"), hooks, device)
-        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        messages = hook_warnings(caught)
         self.assertEqual(len(messages), 1, messages)
         self.assertIn("cannot see", messages[0])
         self.assertEqual(grad, step(torch.compile(fn, backend="aot_eager"), python_hooks(hooks), device))
@@ -335,7 +354,7 @@ class TestNotKeyable(IdentityTestCase):
             for lock in (threading.Lock(), threading.RLock()):
                 torch._dynamo.reset()
                 step(torch.compile(fn, backend="aot_eager"), make(lock), device)
-        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        messages = hook_warnings(caught)
         self.assertEqual(len(messages), 2, messages)
 
     def test_other_threads_printing_during_compiles_lose_nothing(self, device):

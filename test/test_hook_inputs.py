@@ -33,9 +33,8 @@ import torch._functorch.config as functorch_config
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from cache_worker import run_in_fresh_process
 from torch_patches.hooks import inlineable
-from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests
+from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, hook_warnings, instantiate_device_type_tests
 
 
 class Scaled:
@@ -257,7 +256,7 @@ class TestHookInputs(TestCase):
         with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(*hooks):
             warnings.simplefilter("always")
             torch.compile(lambda x: x.sin(), backend="aot_eager")(x).sum().backward()
-        messages = [str(w.message) for w in caught if "torch_patches" in str(w.message)]
+        messages = hook_warnings(caught)
         self.assertTrue(any("Falling back to eager saved-tensors hooks" in m for m in messages), messages)
         torch._dynamo.reset()
         with self.assertRaisesHookError("cannot be inlined"), torch.autograd.graph.saved_tensors_hooks(*hooks):
@@ -370,6 +369,8 @@ class TestHookInputs(TestCase):
 class TestHookInputsAcrossProcesses(TestCase):
     def step(self, cache_dir, scale, in_region):
         spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor", "in_region": in_region}
+        from cache_worker import run_in_fresh_process
+
         proc, result = run_in_fresh_process(spec, cache_dir)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         return result

@@ -74,7 +74,7 @@ def grads_of(fn: Any, inputs: list[torch.Tensor], pair: Any = None) -> list[torc
 _raised_with_in_flight: list[int] = []
 
 
-@torch.library.custom_op("torch_patches_test::fails_in_backward", mutates_args=())
+@torch.library.custom_op("offload_test::fails_in_backward", mutates_args=())
 def _fails_in_backward(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
@@ -84,7 +84,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("torch_patches_test::raise_in_backward", mutates_args=())
+@torch.library.custom_op("offload_test::raise_in_backward", mutates_args=())
 def _raise_in_backward(g: torch.Tensor) -> torch.Tensor:
     _raised_with_in_flight.append(len(offload_mod._in_flight))
     raise RuntimeError("boom")
@@ -95,8 +95,8 @@ def _(g: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(g)
 
 
-_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.torch_patches_test.raise_in_backward(g))
-ops_test = torch.ops.torch_patches_test
+_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.offload_test.raise_in_backward(g))
+ops_test = torch.ops.offload_test
 
 
 def offload_chain() -> Any:

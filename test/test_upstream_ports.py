@@ -39,7 +39,7 @@ Ported (upstream file :: test -> ours):
 
 Added beside the ports (same area, our behaviour; not upstream tests):
 
-* TestAOTAutogradCacheHooks.test_cache_key_includes_torch_patches_config: our compile-time
+* TestAOTAutogradCacheHooks.test_cache_key_includes_the_hooks_config: our compile-time
   knobs key the cache.
 * TestAOTAutogradCacheHooks.test_cache_hit_keeps_eager_fallback_hooks (+ _backward_thread,
   and test_eager_fallback_does_not_stop_caching_other_graphs): a graph whose
@@ -812,7 +812,7 @@ class TestAOTAutogradCacheHooks(TestCase):
     # Ours: the torch_patches knobs that decide the inlined graphs (hook_placement,
     # unpack_prefetch_distance, hooked_saved_tensor_dtypes, validate_unpack) are read at
     # compile time, so they must be part of the cache key (config.py says they are).
-    def test_cache_key_includes_torch_patches_config(self, device):
+    def test_cache_key_includes_the_hooks_config(self, device):
         def fn(x, w):
             return (x @ w).sin() @ w
 
@@ -831,7 +831,7 @@ class TestAOTAutogradCacheHooks(TestCase):
 
     # The same for hooks entered inside the compiled region: their scope's key is the same
     # function of the hooks and the whole config as the ambient hooks'.
-    def test_cache_key_of_in_region_scope_includes_torch_patches_config(self, device):
+    def test_cache_key_of_in_region_scope_includes_the_hooks_config(self, device):
         def fn(x, w):
             with torch.autograd.graph.saved_tensors_hooks(*IN_REGION_HOOKS):
                 h = (x @ w).sin()

@@ -12,7 +12,7 @@ Importing this package changes nothing in torch; :func:`apply` patches (all or n
 :func:`unapply` restores every original object by identity.
 """
 
-from torch_patches._errors import SavedTensorsHookError
+from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches._registry import (
     Patch,
     PatchError,
@@ -47,6 +47,7 @@ __all__ = [
     "PatchStatus",
     "SUPPORTED_TORCH",
     "SavedTensorsHookError",
+    "SavedTensorsHookWarning",
     "UnapplyError",
     "apply",
     "applied_patches",

@@ -16,3 +16,11 @@ class SavedTensorsHookError(RuntimeError):
         super().__init__(message)
         self.hook = hook
         self.reason = reason
+
+
+class SavedTensorsHookWarning(UserWarning):
+    """A saved-tensors hook works, but not as well as it could: it runs as an eager hook
+    instead of being inlined, a tensor it reads is a constant of the graph, an activation
+    memory budget cannot be met, a budget is entered around eager code.  The message names
+    the hook (or scope) and the reason; ``warnings.filterwarnings("error",
+    category=SavedTensorsHookWarning)`` makes them errors."""

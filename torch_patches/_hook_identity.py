@@ -41,8 +41,9 @@ The walk is conservative where a source-based guard would be precise:
   by their version: their functions and classes are keyed by qualified name and the
   distribution's version (torch's and Python's are in every compile-cache key already),
   their module-level data that the code names by value (``math.pi``, ``torch.bfloat16``,
-  ``os.environ``, dicts and lists).  Monkeypatching a library function at runtime is not
-  seen;
+  ``os.environ``, dicts and lists), and a function a library's factory made (a nested
+  function) also by what it was made with (its closure and defaults, by value).
+  Monkeypatching a library function at runtime is not seen;
 * functions whose result changes at every call (``random``, ``time``, ``uuid``,
   ``secrets``, ``numpy.random``, ``os.urandom``, ``datetime.now``) make a hook not keyable:
   a compiled graph would replay the one value seen while tracing;
@@ -359,6 +360,19 @@ class _Walker:
         self.unkeyable.extend(info.unkeyable)
         return info.key
 
+    def made_with(self, fn: types.FunctionType, depth: int) -> Any:
+        """What a function object carries beyond its code: defaults, closure, attributes."""
+        closure = tuple(
+            self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
+            for cell in (fn.__closure__ or ())
+        )
+        return (
+            self.value(fn.__defaults__, depth),
+            self.value(fn.__kwdefaults__, depth),
+            closure,
+            self.value(_instance_dict(fn), depth),  # attributes set on the function
+        )
+
     def function(self, fn: types.FunctionType, depth: int) -> Any:
         module = fn.__module__
         if _is_library_module(module):
@@ -366,17 +380,13 @@ class _Walker:
             if module == "os" and fn.__name__ in ("getenv", "getenvb"):
                 # Reads the environment: keyed by its content (as os.environ is).
                 return ("lib-function", module, fn.__qualname__, ("environ", self.value(dict(os.environ), depth)))
+            if "<locals>" in fn.__qualname__:
+                # Made by a library's factory (torch's own ready-made hooks, in the upstream
+                # form): the code is fixed by the version, what the factory was called with
+                # (its closure and defaults: a dtype, a predicate) is data, keyed by value.
+                return ("lib-function", module, fn.__qualname__, _library_version(module), self.made_with(fn, depth))
             return ("lib-function", module, fn.__qualname__, _library_version(module))
-        closure = tuple(
-            self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
-            for cell in (fn.__closure__ or ())
-        )
-        state = (
-            self.value(fn.__defaults__, depth),
-            self.value(fn.__kwdefaults__, depth),
-            closure,
-            self.value(_instance_dict(fn), depth),  # attributes set on the function
-        )
+        state = self.made_with(fn, depth)
         if _is_own_module(module):
             # Our own code is fixed for a given package source; what it was built with
             # (closures, defaults: a factory's arguments, a user's predicate) is keyed.

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from torch_patches import _numerics
+from torch_patches._errors import SavedTensorsHookWarning
 
 
 __all__ = [
@@ -148,6 +149,7 @@ def _warn_eager_budget() -> None:
     warnings.warn(
         "torch_patches.hooks.budget plans the saved tensors of compiled graphs (it needs the "
         "whole graph to choose); saved tensors of eager autograd are kept as they are",
+        SavedTensorsHookWarning,
         stacklevel=3,
     )
 

@@ -1,125 +1,56 @@
 """Test harness for torch_patches, in the style of PyTorch's own compiler tests.
 
-* :class:`TestCase` resets Dynamo and its counters around every test (it is a
-  ``torch._dynamo.test_case.TestCase``) and applies torch_patches for the test's
-  duration (``apply_patches = False`` for tests of stock behaviour).
-* :class:`AotEagerAndRecordGraphs` / :class:`InductorAndRecordGraphs` are backends that
-  record the AOT forward and backward graphs (after hook inlining) on the aot_eager and
-  inductor paths.
-* :func:`normalize_graph` turns a graph into stable golden text (comments, file paths
-  and device indices removed; optional ``# <- pack(x)`` marks on hook nodes), for
-  ``assertExpectedInline``.  Regenerate goldens with ``EXPECTTEST_ACCEPT=1``.
-* :data:`TORCH_VERSION` for per-version goldens; :func:`instantiate_device_type_tests`
-  parametrises over CPU (always) and CUDA (when present).
+The helpers (:class:`AotEagerAndRecordGraphs`, :class:`InductorAndRecordGraphs`,
+:func:`normalize_graph`, :func:`hook_nodes`, :func:`peak_bytes`,
+:func:`saved_tensor_records`, :data:`TORCH_VERSION`, :func:`instantiate_device_type_tests`)
+are :mod:`torch_patches._testing`'s, whose upstream form is
+``torch/testing/_internal/common_saved_tensors_hooks.py``.  :class:`TestCase` adds the patch
+set: every test runs with torch_patches applied (``apply_patches = False`` for tests of
+stock behaviour), or against upstream-form torch (below).
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
-
-import torch
-import torch._dynamo.test_case
-import torch._dynamo.testing
-import torch.fx as fx
-from torch.testing._internal.common_device_type import (
-    instantiate_device_type_tests as _instantiate_device_type_tests,
-)
-
 import torch_patches
-from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import graph_compile, saved_tensor_records as saved_records
-from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
-from torch_patches._registry import parse_version
-
-
-#: (major, minor) of the installed torch, for per-version goldens.
-TORCH_VERSION: tuple[int, int] = parse_version(torch.__version__)
-
-HAS_CUDA = torch.cuda.is_available()
+from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
+from torch_patches._testing import (
+    HAS_CUDA,
+    TORCH_VERSION,
+    AotEagerAndRecordGraphs,
+    InductorAndRecordGraphs,
+    TestCase as _HooksTestCase,
+    hook_nodes,
+    hook_warnings,
+    instantiate_device_type_tests,
+    normalize_graph,
+    peak_bytes,
+    saved_tensor_records,
+)
 
 __all__ = [
     "AotEagerAndRecordGraphs",
     "HAS_CUDA",
     "InductorAndRecordGraphs",
+    "SavedTensorsHookError",
+    "SavedTensorsHookWarning",
     "TORCH_VERSION",
     "TestCase",
     "hook_nodes",
+    "hook_warnings",
     "instantiate_device_type_tests",
     "normalize_graph",
     "peak_bytes",
+    "saved_tensor_records",
 ]
 
 
-def peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
-    """The most memory ``fn`` holds on ``device`` at once beyond what it held on entry.
-
-    CUDA: the caching allocator's peak.  CPU: the profiler's allocation events (every
-    allocation and free of the CPU allocator, Inductor's buffers included), summed in
-    time order."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    sizes: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
-        stack.extend(event.children)
-    held = most = 0
-    for _, size in sorted(sizes):
-        held += size
-        most = max(most, held)
-    return most
-
-
-@contextlib.contextmanager
-def saved_tensor_records() -> Iterator[list[Any]]:
-    """What the inliner decided for every graph it handles inside the block, as data.
-
-    Yields a list that fills, in compile order, with one
-    :class:`~torch_patches._functorch._aot_autograd.saved_tensor_records.CompiledSavedTensors`
-    per compiled forward/backward pair whose saved tensors had hooks: ``.records`` (one
-    ``SavedTensorRecord`` per saved tensor: producer, bytes, scope, backward readers and
-    tolerance, the decision, the phase that made it and why, the budget option, packed
-    bytes, where pack and unpack went), ``.plans`` (each budget plan's summary) and
-    ``.fallback`` (why the hooks fell back to eager hooks, if they did)::
-
-        with torch_patches.testing.saved_tensor_records() as compiled:
-            loss = compiled_model(x).sum()
-        last = compiled[-1]
-        print({r.name: r.decision for r in last.records})
-
-    Graphs served from a compile cache were not inlined in this process and report
-    nothing.  The same records are written, one line each, to the debug log
-    (``TORCH_LOGS="torch_patches"``).
-    """
-    with saved_records.recording() as out:
-        yield out
-
-
-class TestCase(torch._dynamo.test_case.TestCase):
+class TestCase(_HooksTestCase):
     """Dynamo-resetting test case that runs each test with torch_patches applied."""
 
     apply_patches = True
 
     def setUp(self) -> None:
         super().setUp()
-        # "One warning per untraceable hook" holds per test, not only per process.
-        graph_compile._warned.clear()
-        graph_compile._warned_objects.clear()
         if upstream_form_config_map() is not None:
             _use_upstream_form(self)  # torch's own sources hold the patches
         elif self.apply_patches:
@@ -127,292 +58,6 @@ class TestCase(torch._dynamo.test_case.TestCase):
             self.addCleanup(torch_patches.unapply)
         else:
             torch_patches.unapply()
-
-    def assertExpectedInline(  # noqa: N802
-        self, actual: Any, expect: str, skip: int = 0, **kwargs: Any
-    ) -> None:
-        # Dynamo's TestCase adds a frame without adjusting ``skip``, which makes
-        # EXPECTTEST_ACCEPT=1 rewrite the wrong file; call PyTorch's directly.
-        from torch.testing._internal.common_utils import TestCase as TorchTestCase
-
-        TorchTestCase.assertExpectedInline(self, actual, expect, skip=skip + 1, **kwargs)
-
-    def assertExpectedGraph(  # noqa: N802 - unittest naming
-        self, gm: fx.GraphModule, expect: str, *, mark_hooks: bool = True, skip: int = 0
-    ) -> None:
-        """``assertExpectedInline`` on :func:`normalize_graph` of ``gm``."""
-        self.assertExpectedInline(
-            normalize_graph(gm, mark_hooks=mark_hooks), expect, skip=skip + 1
-        )
-
-    @contextlib.contextmanager
-    def assertRaisesHookError(self, regex: str = "") -> Iterator[list[SavedTensorsHookError]]:  # noqa: N802
-        """The block raises a :class:`SavedTensorsHookError` whose message matches ``regex``.
-
-        Raised while Dynamo compiles, the error reaches users wrapped in Dynamo's
-        ``BackendCompilerFailed`` (its ``inner_exception``; the message is repeated in the
-        wrapper's), or, for hooks entered inside the compiled region, as the cause of
-        Dynamo's ``Unsupported``; all forms count. Yields a list that holds the error afterwards.
-        """
-        caught: list[SavedTensorsHookError] = []
-        try:
-            yield caught
-        except Exception as e:  # noqa: BLE001 - inspected below
-            inner = getattr(e, "inner_exception", e)
-            if not isinstance(inner, SavedTensorsHookError):
-                inner = e.__cause__  # Dynamo's Unsupported, for hooks entered in the region
-            if not isinstance(inner, SavedTensorsHookError):
-                raise
-            if regex:
-                self.assertRegex(str(inner), regex)
-            caught.append(inner)
-        else:
-            self.fail("SavedTensorsHookError not raised")
-
-    def assertGradsEqual(  # noqa: N802
-        self,
-        actual: Iterable[torch.Tensor | None],
-        expected: Iterable[torch.Tensor | None],
-        *,
-        exact: bool = False,
-        **tolerances: Any,
-    ) -> None:
-        """Gradients equal: bit-exact with ``exact=True``, else assertEqual tolerances."""
-        actual, expected = list(actual), list(expected)
-        self.assertEqual(len(actual), len(expected))
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            if a is None or e is None:
-                self.assertIs(a, e, msg=f"gradient {i}")
-            elif exact:
-                self.assertTrue(
-                    torch.equal(a, e),
-                    msg=f"gradient {i} differs: max abs diff {(a - e).abs().max().item()}",
-                )
-            else:
-                self.assertEqual(a, e, msg=f"gradient {i}", **tolerances)
-
-
-# ------------------------------------------------------------------ graph capture
-
-
-class AotEagerAndRecordGraphs:
-    """aot_eager backend that records the Dynamo graph and the AOT fw/bw graphs.
-
-    It is ``backend="aot_eager"`` itself (min-cut partitioner, inference input mutations
-    kept) with recording compilers, so goldens show what users of that backend run.
-    """
-
-    def __init__(self) -> None:
-        self.graphs: list[fx.GraphModule] = []
-        self.fw_graphs: list[fx.GraphModule] = []
-        self.bw_graphs: list[fx.GraphModule] = []
-        #: Per forward graph, AOTAutograd's ``bw_donated_idxs`` (the saved tensors the
-        #: backward may reuse), from the compilation's ``ViewAndMutationMeta``.
-        self.bw_donated_idxs: list[list[int] | None] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.debugging import aot_eager
-        from torch._guards import TracingContext
-
-        self.graphs.append(gm)
-        roles = _RoleNamer(gm)
-
-        def fw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
-            context = TracingContext.try_get()
-            meta = getattr(context, "fw_metadata", None)
-            donated = getattr(meta, "bw_donated_idxs", None)
-            self.bw_donated_idxs.append(None if donated is None else list(donated))
-            self.fw_graphs.append(roles.mark(g, backward=False))
-            return make_boxed_func(g.forward)
-
-        def bw_compiler(g: fx.GraphModule, _: Any) -> Callable[..., Any]:
-            self.bw_graphs.append(roles.mark(g, backward=True))
-            return make_boxed_func(g.forward)
-
-        return aot_eager(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-
-
-class InductorAndRecordGraphs:
-    """inductor backend that records the AOT fw/bw graphs Inductor is given.
-
-    ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run. The
-    compile caches are off while it compiles: a hit would skip the graphs it records.
-    """
-
-    def __init__(self) -> None:
-        self.graphs: list[fx.GraphModule] = []
-        self.fw_graphs: list[fx.GraphModule] = []
-        self.bw_graphs: list[fx.GraphModule] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-        self.graphs.append(gm)
-        roles = _RoleNamer(gm)
-
-        def inner_compile(g: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-            backward = bool(kwargs.get("is_backward"))
-            copy = roles.mark(fx.GraphModule(g, _copy_graph(g.graph)), backward=backward)
-            (self.bw_graphs if backward else self.fw_graphs).append(copy)
-            return compile_fx_inner(g, inputs, **kwargs)
-
-        # A cache hit would skip inner_compile and record nothing.
-        with torch._inductor.config.patch(force_disable_caches=True):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
-
-
-#: ``gm.meta`` key of the recorders: {"names": primals name -> role, "order": roles in the
-#: forward's primals order, "backward": bool}.
-ROLES_META = "torch_patches_primal_roles"
-
-
-class _RoleNamer:
-    """Names the AOT graphs' ``primals_N`` by the Dynamo input they stand for (``x``, ``w``).
-
-    Dynamo orders graph inputs differently across torch releases (2.15 puts some before
-    others), which renumbers ``primals_N`` and reorders the backward's gradients; named by
-    role, one golden text serves every release.
-    """
-
-    def __init__(self, dynamo_gm: fx.GraphModule) -> None:
-        self.inputs = [
-            re.sub(r"^l_|_$", "", n.name) for n in dynamo_gm.graph.find_nodes(op="placeholder")
-        ]
-        self.roles: dict[str, Any] | None = None
-
-    def mark(self, g: fx.GraphModule, *, backward: bool) -> fx.GraphModule:
-        if not backward:
-            names: dict[str, str] = {}
-            order: list[str] = []
-            for node in g.graph.find_nodes(op="placeholder"):
-                idx = getattr(node.meta.get("desc"), "idx", None)
-                if not node.name.startswith("primals_") or not isinstance(idx, int) or idx >= len(self.inputs):
-                    names = {}
-                    break  # not a plain graph input (tokens, subclass parts): keep numbers
-                names[node.name] = self.inputs[idx]
-                order.append(self.inputs[idx])
-            if len(set(names.values())) != len(names):
-                names = {}
-            self.roles = {"names": names, "order": order if names else []}
-        if self.roles is not None and self.roles["names"]:
-            g.meta[ROLES_META] = {**self.roles, "backward": backward}
-        return g
-
-
-def _split_params(params: str) -> list[str]:
-    return re.findall(r'\w+(?:: "[^"]*")?', params)
-
-
-def _apply_roles(text: str, roles: dict[str, Any]) -> str:
-    names: dict[str, str] = roles["names"]
-    # Also inside names derived from a primal (``primals_3_packed``).
-    text = re.sub(r"(?<![\w])primals_\d+(?![0-9])", lambda m: f"primals_{names[m.group(0)]}" if m.group(0) in names else m.group(0), text)
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"(\s*def forward\(self, )(.*)(\):)$", line)
-        if m:
-            params = _split_params(m.group(2))
-            slots = [j for j, p in enumerate(params) if p.startswith("primals_")]
-            ordered = sorted((params[j] for j in slots), key=lambda p: p.split(":")[0])
-            for j, p in zip(slots, ordered):
-                params[j] = p
-            lines[i] = f"{m.group(1)}{', '.join(params)}{m.group(3)}"
-    order: list[str] = roles["order"]
-    if roles["backward"] and order:
-        for i in range(len(lines) - 1, -1, -1):
-            m = re.match(r"(\s*return \()(.*)(\))$", lines[i])
-            if m:
-                outs = [o.strip() for o in m.group(2).split(",") if o.strip()]
-                if len(outs) == len(order):  # one gradient per forward input
-                    by_role = dict(zip(order, outs))
-                    lines[i] = f"{m.group(1)}{', '.join(by_role[r] for r in sorted(order))}{m.group(3)}"
-                break
-    return "\n".join(lines)
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out = new.graph_copy(graph, env)
-    new.output(out)
-    for old, copied in env.items():
-        copied.meta = dict(old.meta)
-    return new
-
-
-# ---------------------------------------------------------------- normalisation
-
-_DEVICE_RE = re.compile(r"device\(type='(cpu|cuda)'(, index=\d+)?\)")
-_DEVICE_STR_RE = re.compile(r"device = '(cpu|cuda)(:\d+)?'")
-
-
-def hook_nodes(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
-    """name -> {"role", "saved", "hook"} for every node an inliner inserted."""
-    return {n.name: n.meta[HOOK_META] for n in gm.graph.nodes if HOOK_META in n.meta}
-
-
-def normalize_graph(gm: fx.GraphModule, *, mark_hooks: bool = True) -> str:
-    """Stable text of a graph module for goldens.
-
-    Comments and blank lines (file paths, stack traces) are dropped, device types and indices are
-    replaced by ``DEVICE``, and with ``mark_hooks`` every node the inliner inserted ends
-    with ``# pack(saved)`` / ``# unpack(saved)``.
-    """
-    text = torch._dynamo.testing.normalize_gm(gm.print_readable(print_output=False))
-    # Blank lines separate nodes with different stack traces: noise for goldens.
-    text = "\n".join(line for line in text.splitlines() if line.strip())
-    text = _DEVICE_RE.sub("device(type='DEVICE')", text)
-    text = _DEVICE_STR_RE.sub("device = 'DEVICE'", text)
-    if mark_hooks:
-        marks = hook_nodes(gm)
-        lines = []
-        for line in text.splitlines():
-            m = re.match(r"\s+(\w+)(?::| =)", line)
-            if m and m.group(1) in marks:
-                info = marks[m.group(1)]
-                line = f"{line}  # {info['role']}({info['saved']})"
-                if info["hook"] != "ambient":  # in-graph scope: say which
-                    line += " " + info["hook"].removeprefix("saved_tensors_hooks_")
-            lines.append(line)
-        text = "\n".join(lines)
-    roles = gm.meta.get(ROLES_META)
-    if roles is not None:  # an AOT graph from our recorders: names independent of release
-        text = _apply_roles(text, roles)
-        if roles["backward"]:
-            text = _renumber(text)
-    return text
-
-
-_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?!\w)")
-
-
-def _renumber(text: str) -> str:
-    """Number a backward graph's nodes per name stem in definition order (``mul``,
-    ``mul_1``...): upstream numbers the nodes it creates there differently across releases.
-    Inputs keep their names (the forward's saved names), comments are left alone."""
-    defined = re.findall(r'^\s+(\w+)(?::\s*"[^"]*")?\s*=\s', text, flags=re.M)
-    signature = text.split("\n", 2)[1] if "\n" in text else ""
-    inputs = set(re.findall(r"\w+(?=:)", signature))  # kept: the forward's saved names
-    counts: dict[str, int] = {}
-    mapping: dict[str, str] = {}
-    for name in dict.fromkeys(defined):
-        stem = re.sub(r"_\d+$", "", name)
-        n = counts.get(stem, 0)
-        while (new := stem if n == 0 else f"{stem}_{n}") in inputs:
-            n += 1
-        counts[stem] = n + 1
-        mapping[name] = new
-    def rename(line: str) -> str:
-        code, sep, comment = line.partition("  # ")
-        return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), code) + sep + comment
-
-    return "\n".join(rename(line) for line in text.splitlines())
-
-
-def instantiate_device_type_tests(cls: type, scope: dict[str, Any]) -> None:
-    """Generate ``<cls>CPU`` (always) and ``<cls>CUDA`` (when present) test classes."""
-    _instantiate_device_type_tests(cls, scope, only_for=("cpu", "cuda"))
 
 
 # ----------------------------------------------------------------- upstream form

@@ -50,6 +50,7 @@ from tools.export_upstream._pysrc import (
     BUILTINS,
     Edit,
     ExportError,
+    NOT_EXPORTED,
     NameUse,
     Source,
     apply_edits,
@@ -119,6 +120,11 @@ def _tp_root() -> str:
     return os.path.dirname(list(spec.submodule_search_locations)[0])
 
 
+def is_test_file(rel: str) -> bool:
+    """An upstream test file or test helper (not library code)."""
+    return rel.startswith(("test/", "torch/testing/_internal/"))
+
+
 @dataclasses.dataclass
 class PatchExport:
     """The upstream form of one patch (or why there is none)."""
@@ -159,11 +165,12 @@ class PatchExport:
         return self.message.partition("\n")[0] if self.message else self.patch.summary
 
     def changed_lines(self) -> int:
-        """Lines of library code the diff adds or removes (file headers and tests aside)."""
+        """Lines of library code the diff adds or removes (file headers, tests and test
+        helpers aside)."""
         count, library = 0, True
         for line in self.diff.splitlines():
             if line.startswith("diff --git "):
-                library = not line.split(" b/", 1)[1].startswith("test/")
+                library = not is_test_file(line.split(" b/", 1)[1])
             elif library and line[:1] in "+-" and not line.startswith(("+++ ", "--- ")):
                 count += 1
         return count
@@ -253,8 +260,12 @@ class Exporter:
         """The new upstream module our ``tp_module`` becomes (None: it moves instead)."""
         if tp_module in NEW_MODULE_NAMES:
             home = NEW_MODULE_NAMES[tp_module]
-        elif tp_module.startswith(TP + ".hooks.") or tp_module == TP + ".hooks":
-            home = HOOKS_PACKAGE + tp_module[len(TP + ".hooks") :]
+        elif tp_module == TP + ".hooks":
+            home = HOOKS_PACKAGE
+        elif tp_module.startswith(TP + ".hooks."):
+            # Private modules: the package is the API (its ``select`` and ``budget`` are
+            # functions; a submodule of the same name would be shadowed by them).
+            home = f"{HOOKS_PACKAGE}._{tp_module.rpartition('.')[2].lstrip('_')}"
         elif tp_module.count(".") >= 2 and module_relpath(self.root, "torch" + tp_module[len(TP) :]) is None:
             home = "torch" + tp_module[len(TP) :]
         else:
@@ -371,7 +382,8 @@ class Exporter:
         return knob_upstream_name(name) if name in config.get_config_copy() else None
 
     def upstream_names(self, text: str, state: _State) -> str:
-        return _names.upstream_names(text, lambda m: self.module_home(m, state), self._knob_name)
+        api = self.tp_source(TP + ".hooks").bindings
+        return _names.upstream_names(text, lambda m: self.module_home(m, state), self._knob_name, api)
 
     def export(self, patches: Sequence[Patch]) -> list[PatchExport]:
         """Every patch's upstream form, in stack order (twice when prose named a moved module
@@ -426,6 +438,9 @@ class Exporter:
         self.read_upstream(rel)
         job = _Job(self, patch, state, t_module, t_qual.split("."), r_module, r_attr)
         job.run()
+        self._finish_job(job, state, result)
+
+    def _finish_job(self, job: _Job, state: _State, result: PatchExport) -> None:
         result.added = job.added
         result.knobs = job.knobs
         result.notes = job.notes
@@ -444,6 +459,37 @@ class Exporter:
         result.before = {r: before[r] for r in result.files}
         result.after = {r: after[r] for r in result.files}
 
+    def export_api(self, package: str, after: Sequence[str]) -> PatchExport:
+        """The commit that gives our public package's upstream home its API: every name our
+        ``package``'s ``__init__`` re-exports, imported there from where the stack put it
+        (the modules no patch needed, such as the ``budget`` and ``cache_hash`` markers,
+        come whole in commits of their own before it), and its ``__all__``.  It comes last:
+        the public API is what the stack adds up to."""
+        home = self.new_home(package)
+        if home is None:
+            raise ExportError(f"{package} has no new upstream home")
+        patch = api_patch(package, home, after)
+        result = PatchExport(patch, 0)
+        state = self.state.copy()
+        job = _Job(self, patch, state, home, [], package, "")
+        job._requester = home  # type: ignore[attr-defined]
+        fw = job.file(home)
+        src = self.tp_source(package)
+        for name, b in sorted(src.bindings.items(), key=lambda kv: kv[1].index):
+            if b.kind == "import" and b.dotted is not None and _is_tp(b.dotted):
+                mod, nm = self.resolve_tp(b.dotted)
+                dest = self.module_home(mod, state) if nm is None else ".".join(job.place(mod, nm))
+                if dest is None:
+                    raise ExportError(f"{package}.{name}: {b.dotted} has no upstream home")
+                job.ensure_binding(fw, name, dest, annotation=False)
+            elif b.kind != "import" and (package, name) not in state.placed:
+                job.place(package, name)
+        job.drain()
+        self._finish_job(job, state, result)
+        self._verify(result, state)
+        self.state = state
+        return result
+
     def _verify(self, result: PatchExport, state: _State) -> None:
         from tools.export_upstream._write import check_applies
 
@@ -455,6 +501,25 @@ class Exporter:
         problem = check_applies(result.diff, result.before)
         if problem:
             raise ExportError(f"generated diff does not apply: {problem}")
+
+
+#: Name of the public-API commit (:meth:`Exporter.export_api`).
+API_COMMIT = "utils.saved_tensors_hooks_api"
+
+
+def api_patch(package: str, home: str, after: Sequence[str]) -> Patch:
+    """The record the public-API commit is described by (it replaces no torch function)."""
+    return Patch(
+        name=API_COMMIT,
+        target=f"{home}:__all__",
+        replacement=f"{package}:__all__",
+        summary=f"[utils] Export the public API of {home}",
+        upstream="",
+        retire_when="never: it is the feature's public API",
+        fingerprints={},
+        after=tuple(after),
+        tests=("test/test_hooks_library.py",),
+    )
 
 
 def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> list[PatchExport]:
@@ -496,9 +561,6 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
     return out
 
 
-#: A comment line that keeps the statement after it out of the upstream form: code that
-#: only the patch set needs (a check that the patches it relies on are applied).
-NOT_EXPORTED = "# upstream: not exported"
 
 
 def _not_exported(src: Source, node: ast.stmt) -> list[tuple[int, int]]:
@@ -1138,10 +1200,15 @@ class _Job:
             block = "".join("\n" + t.rstrip("\n") + "\n" for _, t in sorted(fw.knobs))
             inserts.append((at, 0, [block.lstrip("\n") + "\n"]))
         if fw.imports:
-            groups: dict[int, list[str]] = {}
+            groups: dict[int, list[tuple[str, str]]] = {}
             for n, d in sorted(fw.imports.items(), key=_import_key):
-                groups.setdefault(self._import_anchor(fw.src, d), []).append(_import_line(n, d))
-            for at, chunk in groups.items():
+                groups.setdefault(self._import_anchor(fw.src, d), []).append((n, d))
+            for at, pairs in groups.items():
+                chunk = _import_lines(pairs)
+                if at == self._future_line(fw.src) and not fw.src.text.strip().endswith("annotations"):
+                    chunk.append("\n")  # a new module's first imports, then its code
+                elif at == self._future_line(fw.src):
+                    chunk.insert(0, "\n")
                 inserts.append((at, 2, chunk))
         for at, _, chunk in sorted(inserts, key=lambda x: (-x[0], x[1])):
             lines[at:at] = chunk
@@ -1172,6 +1239,11 @@ class _Job:
         if last == 0:
             raise ExportError(f"{src.module} has no import block to extend")
         return last_same or last
+
+    @staticmethod
+    def _future_line(src: Source) -> int | None:
+        first = next((n for n in src.tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"), None)
+        return None if first is None else first.end_lineno
 
     @staticmethod
     def _knob_anchor(src: Source) -> int:
@@ -1206,6 +1278,22 @@ def _import_line(name: str, dotted: str) -> str:
         return f"import {dotted}\n" if name == dotted else f"import {dotted} as {name}\n"
     pkg, _, last = dotted.rpartition(".")
     return f"from {pkg} import {last}\n" if name == last else f"from {pkg} import {last} as {name}\n"
+
+
+def _import_lines(pairs: list[tuple[str, str]]) -> list[str]:
+    """Import statements binding each (name, dotted): one ``from`` statement per module."""
+    out: list[str] = []
+    by_module: dict[str, list[str]] = {}
+    for name, dotted in pairs:
+        if "." not in dotted:
+            out.append(_import_line(name, dotted))
+            continue
+        pkg, _, last = dotted.rpartition(".")
+        by_module.setdefault(pkg, []).append(last if name == last else f"{last} as {name}")
+    for pkg, names in by_module.items():
+        one = f"from {pkg} import {', '.join(names)}\n"
+        out.append(one if len(one) <= 89 else f"from {pkg} import (\n" + "".join(f"    {n},\n" for n in names) + ")\n")
+    return out
 
 
 def _import_key(item: tuple[str, str]) -> tuple[int, str]:

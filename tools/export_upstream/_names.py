@@ -9,7 +9,8 @@ rewrites those, in this order:
 
 * ``torch_patches.config.KNOB`` -> ``torch._functorch.config.<upstream knob>`` (the knob map);
 * ``torch_patches.hooks...`` and ``torch_patches/hooks/X.py`` -> :data:`HOOKS_HOME`, the
-  proposed upstream home of the hooks library (the markers ``inlineable``, ``select``,
+  proposed upstream home of the hooks library, whose modules are private there
+  (``_compress.py``): the package is the API (the markers ``inlineable``, ``select``,
   ``cache_hash``, ``budget`` and the ready-made pairs);
 * ``torch_patches.<module>[.<name>]`` and ``torch_patches/<module path>.py`` -> the upstream
   module the module mirrors or was moved into;
@@ -24,7 +25,7 @@ Upstream's own text never says ``torch_patches``, so the rewrite runs over whole
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 #: Proposed upstream home of ``torch_patches.hooks`` (beside ``torch.utils.checkpoint``).
 HOOKS_HOME = "torch.utils.saved_tensors_hooks"
@@ -34,19 +35,22 @@ ARTIFACT = "saved_tensors_hooks"
 PROVENANCE = "Exported-from:"
 
 _TP = "torch_patches"
-_DOTTED = re.compile(r"\btorch_patches((?:\.[A-Za-z_]\w*)*)")
-_PATH = re.compile(r"\btorch_patches((?:/[A-Za-z_]\w*)*)(?:\.py|/)?")
+_DOTTED = re.compile(r"\btorch_patches(?!\w)((?:\.[A-Za-z_]\w*)*)")
+_PATH = re.compile(r"\btorch_patches(?!\w)((?:/[A-Za-z_]\w*)*)(?:\.py|/)?")
 
 
 def upstream_names(
     text: str,
     module_home: Callable[[str], str | None],
     knob_name: Callable[[str], str | None],
+    api: Collection[str] = (),
 ) -> str:
     """``text`` with our names replaced by upstream's.
 
     ``module_home(tp_module)``: the upstream module a module of ours stands for or was moved
-    into (None: unknown); ``knob_name(knob)``: a knob's upstream name (None: not a knob)."""
+    into (None: unknown); ``knob_name(knob)``: a knob's upstream name (None: not a knob);
+    ``api``: the names the hooks package exports (``torch_patches.hooks.select`` is the
+    function, not the module of that name)."""
     if _TP not in text:
         return text
     text = re.sub(r"\btorch_patches\.(apply|unapply)\(\)", r"\1()", text)
@@ -62,6 +66,10 @@ def upstream_names(
                 return ".".join(["torch._functorch.config", name, *parts[2:]])
             return ".".join(["torch._functorch.config", *parts[1:]])
         if parts[:1] == ["hooks"]:
+            if len(parts) == 2 and parts[1] not in api:
+                home = module_home(".".join([_TP, *parts]))
+                if home is not None:  # a module of the library (private upstream)
+                    return home
             rest = [p for p in parts[1:] if not p.startswith("_")]
             return ".".join([HOOKS_HOME, *rest[-1:]])
         for n in range(len(parts), 0, -1):
@@ -75,7 +83,7 @@ def upstream_names(
         if not parts:
             return m.group(0)
         if parts[0] == "hooks":
-            return HOOKS_HOME.replace(".", "/") + "/" + (parts[1] + ".py" if len(parts) > 1 else "")
+            return HOOKS_HOME.replace(".", "/") + "/" + ("_" + parts[1].lstrip("_") + ".py" if len(parts) > 1 else "")
         home = module_home(".".join([_TP, *parts]))
         return (home or ".".join(["torch", *parts])).replace(".", "/") + ".py"
 

@@ -15,6 +15,12 @@ from collections.abc import Iterator
 BUILTINS = frozenset(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__", "__package__"}
 
 
+#: A comment line that keeps the statement after it out of the upstream form: code that
+#: only the patch set needs (a check that the patches it relies on are applied, a test
+#: worker applying the patch set).
+NOT_EXPORTED = "# upstream: not exported"
+
+
 class ExportError(Exception):
     """The upstream form of a patch cannot be produced; the message says why."""
 

@@ -28,6 +28,7 @@ import torch
 
 from torch_patches import _compile_facts, _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._errors import SavedTensorsHookWarning
 
 
 def add_hook_input(tx: Any, source: Any, value: torch.Tensor) -> Any:
@@ -64,6 +65,7 @@ def warn_not_lifted(fn: Any, reasons: list[str]) -> None:
         warnings.warn(
             f"torch_patches: saved tensors hook {hook_utils.hook_name(fn)}: {reason}; its "
             "values are part of the compiled graph's key, so changing them recompiles",
+            SavedTensorsHookWarning,
             stacklevel=2,
         )
 

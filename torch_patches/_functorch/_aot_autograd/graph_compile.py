@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
-from torch_patches._errors import SavedTensorsHookError
+from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches import _hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
@@ -97,6 +97,7 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
     warnings.warn(
         f"torch_patches: {error}. {consequence}. Compile with fullgraph=True to make "
         "this an error.",
+        SavedTensorsHookWarning,
         stacklevel=3,
     )
 

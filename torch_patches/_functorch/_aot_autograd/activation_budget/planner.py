@@ -48,6 +48,7 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 from torch_patches.hooks import chain, cpu_offload, inlineable
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
+from torch_patches._errors import SavedTensorsHookWarning
 
 
 #: The entry of :data:`~.solver.SOLVERS` the plans are fitted with.
@@ -271,6 +272,7 @@ def summarize(result: Plan) -> BudgetPlanSummary:
             "numerics_safe keeps them exact, offload needs CUDA, recompute needs a short chain "
             "of ops from tensors kept exact). Saving as much as possible; "
             "torch._functorch.config.activation_memory_budget can recompute more",
+            SavedTensorsHookWarning,
             stacklevel=2,
         )
     return summary
