@@ -653,24 +653,29 @@ def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport])
     return dest
 
 
-def import_each_commit(results: Sequence[PatchExport], torch_root: str, workdir: str, python: str) -> list[str]:
-    """Apply the stack to an overlay of ``torch_root`` one commit at a time and, after each,
-    import in a fresh interpreter every module the commit touched (with torch): a commit
-    that needs a later one to import is named.  Returns the failures (empty: each commit
-    builds on its own)."""
+def import_each_commit(
+    results: Sequence[PatchExport], torch_root: str, workdir: str, python: str, start: int = 0, stop: int | None = None
+) -> list[str]:
+    """Apply the stack to an overlay of ``torch_root`` one commit at a time and, after each
+    of the commits ``[start, stop)`` (0-based; the ones before are only applied), import in
+    a fresh interpreter every module the commit touched (with torch), then run the upstream
+    test files it carries: a commit that needs a later one to import or to pass its tests is
+    named.  Returns the failures (empty: each commit builds and passes on its own)."""
     exported = [r for r in results if r.status == "exported"]
     dest = os.path.join(workdir, "site")
     pristine_overlay(dest, torch_root, exported)
     failures = []
     env = dict(os.environ)
     env["PYTHONPATH"] = dest
-    for r in exported:
+    for i, r in enumerate(exported[: len(exported) if stop is None else stop]):
         proc = subprocess.run(
             ["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=_no_repo_env(dest)
         )
         if proc.returncode != 0:
             failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
             break
+        if i < start:
+            continue
         modules = [
             rel[: -len(".py")].removesuffix("/__init__").replace("/", ".") for rel in r.files if rel.startswith("torch/")
         ]
