@@ -314,7 +314,7 @@ instantiate_device_type_tests(TestOurs, globals())
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
 class TestUpstreamEquivalence(unittest.TestCase):
-    def check_commits(self, part):
+    def check_commits(self, part, tests=True):
         # Commit by commit on one overlay: after each, torch and every module it touched
         # import, and the upstream test files it carries pass, so no commit needs a later
         # one to build or pass. In three parts (the commits before a part are only applied)
@@ -325,19 +325,31 @@ class TestUpstreamEquivalence(unittest.TestCase):
         k = next(i for i, r in enumerate(results) if r.name == "aot.runtime_saved_tensors_hooks_context")
         bounds = [0, k, k + 1, len(results)]
         with tempfile.TemporaryDirectory(prefix="tp-upstream-each-") as tmp:
-            failures = import_each_commit(results, ROOT, tmp, sys.executable, bounds[part], bounds[part + 1])
+            if not tests:  # imports only, every commit
+                bounds = [0, len(results)]
+            failures = import_each_commit(results, ROOT, tmp, sys.executable, bounds[part], bounds[part + 1], tests)
         self.assertEqual(failures, [])
 
     @pytest.mark.slow
     def test_each_commit_imports_alone(self):
+        # In CI: every commit imports alone (about 2 minutes). The carried tests too, commit
+        # by commit, are the upstream_stack tests below (python -m pytest
+        # test/test_export_upstream.py -m upstream_stack).
+        self.check_commits(0, tests=False)
+
+    @pytest.mark.slow
+    @pytest.mark.upstream_stack
+    def test_each_commit_passes_its_upstream_tests_part1(self):
         self.check_commits(0)
 
     @pytest.mark.slow
-    def test_each_commit_imports_alone_part2(self):
+    @pytest.mark.upstream_stack
+    def test_each_commit_passes_its_upstream_tests_part2(self):
         self.check_commits(1)
 
     @pytest.mark.slow
-    def test_each_commit_imports_alone_part3(self):
+    @pytest.mark.upstream_stack
+    def test_each_commit_passes_its_upstream_tests_part3(self):
         self.check_commits(2)
 
     @pytest.mark.slow  # a pytest run in a subprocess
