@@ -313,16 +313,21 @@ class _Converter:
         self.edits.append((start, end, ""))
 
     def _apply(self) -> str:
-        data = self.src.text.encode()
-        out, pos = [], 0
-        for start, end, new in sorted(self.edits):
-            if start < pos:
-                continue  # inside a removed class
-            out += [data[pos:start], new.encode()]
-            pos = end
-        out.append(data[pos:])
-        text = b"".join(out).decode()
-        return re.sub(r"\n{4,}", "\n\n\n", text)
+        return re.sub(r"\n{4,}", "\n\n\n", _splice(self.src.text, self.edits))
+
+
+def _splice(text: str, edits: Sequence[tuple[int, int, str]]) -> str:
+    """``text`` with each byte span (start, end) replaced; an edit inside an earlier one (an
+    import inside a removed class) is dropped with it."""
+    data = text.encode()
+    out, pos = [], 0
+    for start, end, new in sorted(edits):
+        if start < pos:
+            continue
+        out += [data[pos:start], new.encode()]
+        pos = end
+    out.append(data[pos:])
+    return b"".join(out).decode()
 
 
 def _prune_imports(text: str, modules: set[str]) -> str:
@@ -341,10 +346,7 @@ def _prune_imports(text: str, modules: set[str]) -> str:
             names = [a.name + (f" as {a.asname}" if a.asname else "") for a in keep]
             first, last = src.line_range_bytes(node.lineno, node.end_lineno)  # type: ignore[arg-type]
             edits.append((first, last, _from_import(node.module, names, "") + "\n" if names else ""))
-    data = text.encode()
-    for first, last, new in sorted(edits, reverse=True):
-        data = data[:first] + new.encode() + data[last:]
-    return data.decode()
+    return _splice(text, edits)
 
 
 def _slow_tests(text: str) -> str:

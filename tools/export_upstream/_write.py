@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from tools.export_upstream import _names, _tests
 from tools.export_upstream._generate import API_COMMIT, TP, Exporter, PatchExport, split_new_modules, unified_diff
@@ -110,15 +111,21 @@ def _module_doc(exporter: Exporter, patch_replacement: str) -> str:
     return doc.strip()
 
 
+def _opening(exporter: Exporter, p: Any) -> list[str]:
+    """A commit message's title (the record's summary) and the replacement module's docstring."""
+    lines = [_KEEP + p.summary, ""]
+    doc = _module_doc(exporter, p.replacement)
+    if doc:
+        lines += [_KEEP + line for line in doc.splitlines()] + [""]
+    return lines
+
+
 def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchExport], version: str) -> str:
     p = e.patch
     if p.name == API_COMMIT:
         return api_message(exporter, e, version)
     t_module, _, t_qual = p.target.partition(":")
-    lines = [_KEEP + p.summary, ""]
-    doc = _module_doc(exporter, p.replacement)
-    if doc:
-        lines += [_KEEP + line for line in doc.splitlines()] + [""]
+    lines = _opening(exporter, p)
     how = "wraps" if p.wraps else "replaces"
     lines.append(f"This {how} `{t_qual}` in `{t_module}`.")
     if e.added:
@@ -147,10 +154,7 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
 
 def api_message(exporter: Exporter, e: PatchExport, version: str) -> str:
     home = e.patch.target.partition(":")[0]
-    lines = [_KEEP + e.patch.summary, ""]
-    doc = _module_doc(exporter, e.patch.replacement)
-    if doc:
-        lines += [_KEEP + line for line in doc.splitlines()] + [""]
+    lines = _opening(exporter, e.patch)
     lines.append(
         f"`{home}` re-exports what the commits before this one added, from where they "
         "live: the hook-pair markers, the ready-made pairs and `SavedTensorInfo`."
