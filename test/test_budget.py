@@ -27,7 +27,7 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd import activation_budget as ab
+from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner, recompute, solver
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import block_working_set, saved_bytes
@@ -100,7 +100,7 @@ class BudgetTestCase(TestCase):
 
 
 def _opt(name, nbytes, ms):
-    return ab.Option(name, nbytes, ms)
+    return solver.Option(name, nbytes, ms)
 
 
 class TestCostModel(TestCase):
@@ -108,35 +108,35 @@ class TestCostModel(TestCase):
         keep, bf, fp8 = _opt("keep", 400, 0.0), _opt("bf16", 200, 0.6), _opt("fp8", 100, 0.7)
         slow = _opt("slow", 300, 5.0)  # fewer bytes than keep, but slower than bf16: dominated
         # keep->fp8 costs 0.7/300 per byte, below keep->bf16's 0.6/200: bf16 is above the hull.
-        self.assertEqual([o.name for o in ab.lower_hull([fp8, slow, bf, keep])], ["keep", "fp8"])
+        self.assertEqual([o.name for o in solver.lower_hull([fp8, slow, bf, keep])], ["keep", "fp8"])
         cheap_bf = _opt("bf16", 200, 0.2)
-        self.assertEqual([o.name for o in ab.lower_hull([fp8, cheap_bf, keep])], ["keep", "bf16", "fp8"])
+        self.assertEqual([o.name for o in solver.lower_hull([fp8, cheap_bf, keep])], ["keep", "bf16", "fp8"])
 
     def test_options_follow_dtype_safety_and_device(self):
-        rates = ab.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e9, kernel_ms=0.0)
+        rates = cost_model.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e9, kernel_ms=0.0)
         f32 = torch.empty(64, 32)
         names = lambda opts: [o.name for o in opts]  # noqa: E731
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "bf16", "int8", "fp8"])
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "int8", (0, 0), rates)), ["keep", "bf16", "int8"])
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "bf16", (0, 0), rates)), ["keep", "bf16"])
-        self.assertEqual(names(ab.options_for(f32, f32.nbytes, ab_options(), "exact", (0, 0), rates)), ["keep"])
+        self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "bf16", "int8", "fp8"])
+        self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "int8", (0, 0), rates)), ["keep", "bf16", "int8"])
+        self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "bf16", (0, 0), rates)), ["keep", "bf16"])
+        self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "exact", (0, 0), rates)), ["keep"])
         bf = torch.empty(64, 32, dtype=torch.bfloat16)
-        self.assertEqual(names(ab.options_for(bf, bf.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "int8", "fp8"])
+        self.assertEqual(names(cost_model.options_for(bf, bf.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "int8", "fp8"])
         ints = torch.empty(64, 32, dtype=torch.int64)
-        self.assertEqual(names(ab.options_for(ints, ints.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep"])
+        self.assertEqual(names(cost_model.options_for(ints, ints.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep"])
         # A CUDA tensor (metadata only): offload, hidden by the compute around it or not.
         cuda = types.SimpleNamespace(
             element_size=lambda: 4, shape=(64, 32), dim=lambda: 2, is_floating_point=lambda: True,
             device=torch.device("cuda"),
         )
-        opts = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), "fp8", (0.0, 0.0), rates)}
+        opts = {o.name: o for o in cost_model.options_for(cuda, 8192, ab_options(), "fp8", (0.0, 0.0), rates)}
         self.assertEqual(set(opts), {"keep", "bf16", "int8", "fp8", "offload", "fp8+offload"})
         self.assertAlmostEqual(opts["offload"].ms, 2 * 8192 / 1e5)  # both copies exposed
         self.assertEqual(opts["offload"].device_bytes, 0)
-        hidden = {o.name: o for o in ab.options_for(cuda, 8192, ab_options(), "fp8", (1.0, 1.0), rates)}
+        hidden = {o.name: o for o in cost_model.options_for(cuda, 8192, ab_options(), "fp8", (1.0, 1.0), rates)}
         self.assertEqual(hidden["offload"].ms, 0.0)
-        self.assertEqual(ab.lower_hull(list(hidden.values()))[0].name, "offload")  # free: taken
-        only = {o.name for o in ab.options_for(cuda, 8192, ("offload",), "exact", (0, 0), rates)}
+        self.assertEqual(solver.lower_hull(list(hidden.values()))[0].name, "offload")  # free: taken
+        only = {o.name for o in cost_model.options_for(cuda, 8192, ("offload",), "exact", (0, 0), rates)}
         self.assertEqual(only, {"keep", "offload"})
 
     def test_compute_windows_hide_copies(self):
@@ -146,38 +146,38 @@ class TestCostModel(TestCase):
 
         gm = make_fx(lambda x, w: torch.relu(x @ w).sum(), tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16))
         mm, relu, total = (n for n in gm.graph.nodes if n.op == "call_function")
-        rates = ab.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e6, kernel_ms=0.0)
-        self.assertEqual(ab._flops(mm), 2 * 64 * 32 * 16)
-        self.assertEqual(ab._node_ms(mm, rates), 2 * 64 * 32 * 16 / 1e6)  # compute-bound here
-        self.assertEqual(ab._node_ms(relu, rates), 2 * 64 * 16 * 4 / 1e6)  # memory-bound
+        rates = cost_model.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e6, kernel_ms=0.0)
+        self.assertEqual(cost_model._flops(mm), 2 * 64 * 32 * 16)
+        self.assertEqual(cost_model._node_ms(mm, rates), 2 * 64 * 32 * 16 / 1e6)  # compute-bound here
+        self.assertEqual(cost_model._node_ms(relu, rates), 2 * 64 * 16 * 4 / 1e6)  # memory-bound
         with tp_config.patch(reload_prefetch_distance=1, unpack_prefetch_distance=0):
             # The same graph stands in for the backward, relu for mm's backward input: its
             # first use is the sum, one node before it is relu.
-            spans = ab.windows([mm], {"mm": relu}, gm.graph, gm.graph, rates)
-        self.assertNotEqual(ab._node_ms(total, rates), ab._node_ms(relu, rates))
+            spans = cost_model.windows([mm], {"mm": relu}, gm.graph, gm.graph, rates)
+        self.assertNotEqual(cost_model._node_ms(total, rates), cost_model._node_ms(relu, rates))
         # After mm's last forward use (relu): the sum.
-        self.assertEqual(spans[mm], (ab._node_ms(total, rates), ab._node_ms(relu, rates)))
+        self.assertEqual(spans[mm], (cost_model._node_ms(total, rates), cost_model._node_ms(relu, rates)))
 
     def test_solver_meets_excess_greedily_and_deterministically(self):
         def choices():
             out = []
             for i, n in enumerate((1000, 4000, 2000, 4000)):
-                opts = ab.lower_hull([_opt("keep", n, 0.0), _opt("fp8", n // 4, n * 1e-3 + 0.5)])
-                out.append(ab.Choice(None, f"t{i}", n, opts, opts[0]))
+                opts = solver.lower_hull([_opt("keep", n, 0.0), _opt("fp8", n // 4, n * 1e-3 + 0.5)])
+                out.append(solver.Choice(None, f"t{i}", n, opts, opts[0]))
             return out
 
         first = choices()
-        ab.solve(first, 3000)
+        solver.solve(first, 3000)
         # The largest tensors pay best (a fixed cost per kernel): t1 first (then t3: order).
         self.assertEqual([c.chosen.name for c in first], ["keep", "fp8", "keep", "keep"])
         second = choices()
-        ab.solve(second, 3000)
+        solver.solve(second, 3000)
         self.assertEqual([c.chosen for c in first], [c.chosen for c in second])
         both = choices()
-        ab.solve(both, 3001)
+        solver.solve(both, 3001)
         self.assertEqual([c.chosen.name for c in both], ["keep", "fp8", "keep", "fp8"])
         everything = choices()
-        ab.solve(everything, 10**9)  # unreachable: every tensor at its smallest option
+        solver.solve(everything, 10**9)  # unreachable: every tensor at its smallest option
         self.assertEqual({c.chosen.name for c in everything}, {"fp8"})
 
 
@@ -199,17 +199,17 @@ class TestRecompute(TestCase):
 
         nodes, order = self.graph(fn, (8, 4), (4, 4))
         x, w, mm, relu = nodes["x_1"], nodes["w_1"], nodes["mm"], nodes["relu"]
-        recipe = ab.recompute_recipe(relu, {mm, x, w}, order)
+        recipe = recompute.recompute_recipe(relu, {mm, x, w}, order)
         self.assertEqual((recipe.nodes, recipe.frontier), ((relu,), (mm,)))
-        recipe = ab.recompute_recipe(nodes["mul"], {x, w}, order)  # back to the inputs
+        recipe = recompute.recompute_recipe(nodes["mul"], {x, w}, order)  # back to the inputs
         self.assertEqual([n.name for n in recipe.nodes], ["mm", "relu", "sigmoid", "mul"])
         self.assertEqual(recipe.frontier, (x, w))
-        self.assertIsNone(ab.recompute_recipe(nodes["mul"], {x, w}, order, limit=3))  # too long
+        self.assertIsNone(recompute.recompute_recipe(nodes["mul"], {x, w}, order, limit=3))  # too long
         # Dropout's mask is random: never recomputed (the forward's own draw is what counts).
         tanh = nodes["tanh"]
-        self.assertIsNone(ab.recompute_recipe(tanh, {x, w}, order))
-        self.assertIsNone(ab.recompute_recipe(tanh, {nodes["mul"]}, order))
-        self.assertIsNone(ab.recompute_recipe(mm, set(), order))  # placeholders are not ops
+        self.assertIsNone(recompute.recompute_recipe(tanh, {x, w}, order))
+        self.assertIsNone(recompute.recompute_recipe(tanh, {nodes["mul"]}, order))
+        self.assertIsNone(recompute.recompute_recipe(mm, set(), order))  # placeholders are not ops
 
     def test_inductor_random_prims_are_not_recomputed(self):
         import torch._inductor.inductor_prims  # noqa: F401 - registers the prims
@@ -220,30 +220,30 @@ class TestRecompute(TestCase):
             return x * torch.ops.prims.inductor_random.default([4], seed, "rand")
 
         nodes, order = self.graph(fn, (4,))
-        self.assertIsNone(ab.recompute_recipe(nodes["mul"], {nodes["x_1"]}, order))
-        self.assertFalse(ab._recomputable(nodes["inductor_random"]))  # untagged, still random
-        self.assertTrue(ab._recomputable(nodes["mul"]))
+        self.assertIsNone(recompute.recompute_recipe(nodes["mul"], {nodes["x_1"]}, order))
+        self.assertFalse(recompute._recomputable(nodes["inductor_random"]))  # untagged, still random
+        self.assertTrue(recompute._recomputable(nodes["mul"]))
 
     def test_solver_pins_what_a_recompute_reads_and_reprices_it(self):
         def choices(fp8_ms):
-            a = ab.Choice(None, "a", 1000, [_opt("keep", 1000, 0.0), _opt("fp8", 250, fp8_ms)], None)
-            b = ab.Choice(None, "b", 8000, [_opt("keep", 8000, 0.0), _opt("recompute", 0, 2.0)], None, pins=(0,))
+            a = solver.Choice(None, "a", 1000, [_opt("keep", 1000, 0.0), _opt("fp8", 250, fp8_ms)], None)
+            b = solver.Choice(None, "b", 8000, [_opt("keep", 8000, 0.0), _opt("recompute", 0, 2.0)], None, pins=(0,))
             for c in (a, b):
                 c.chosen = c.options[0]
             return [a, b]
 
         # b's recompute reads a: a stays exact, whatever compressing it would have cost.
         first = choices(fp8_ms=1.0)
-        ab.solve(first, 7000)
+        solver.solve(first, 7000)
         self.assertEqual([c.chosen.name for c in first], ["keep", "recompute"])
         # a's fp8 is the cheaper step and goes first; b's recompute, re-priced with a's
         # 750 B undone, still saves enough: a is pinned back to keep.
         second = choices(fp8_ms=0.01)
-        ab.solve(second, 7500)
+        solver.solve(second, 7500)
         self.assertEqual([c.chosen.name for c in second], ["keep", "recompute"])
         # Where a's bytes alone meet the excess, nothing is recomputed.
         third = choices(fp8_ms=0.01)
-        ab.solve(third, 700)
+        solver.solve(third, 700)
         self.assertEqual([c.chosen.name for c in third], ["fp8", "keep"])
 
 
@@ -257,8 +257,8 @@ class TestTimeline(TestCase):
         choices = []
         for name, nbytes, span, options, transient in units:
             opts = [_opt("keep", nbytes, 0.0), *options]
-            choices.append(ab.Choice(None, name, nbytes, opts, opts[0], span=ab.Span(*span), transient=transient))
-        return ab.Plan("t", None, sum(c.nbytes for c in choices), 0, budget_bytes, choices)
+            choices.append(solver.Choice(None, name, nbytes, opts, opts[0], span=solver.Span(*span), transient=transient))
+        return solver.Plan("t", None, sum(c.nbytes for c in choices), 0, budget_bytes, choices)
 
     def test_later_points_are_met_first(self):
         # a is used first and is the cheaper to compress. At the forward's end compressing a
@@ -272,16 +272,16 @@ class TestTimeline(TestCase):
             )
 
         end_only = units(1300)
-        ab.solve(end_only.choices, end_only.live(-1) - 1300)
+        solver.solve(end_only.choices, end_only.live(-1) - 1300)
         self.assertEqual([c.chosen.name for c in end_only.choices], ["fp8", "keep"])
         self.assertEqual((end_only.predicted_bytes, end_only.peak), (1250, (2000, 0)))
         timeline = units(1300)
-        ab.fit(timeline)
+        solver.fit(timeline)
         self.assertEqual([c.chosen.name for c in timeline.choices], ["keep", "fp8"])
         self.assertEqual((timeline.peak, timeline.met, timeline.points), ((1250, -1), True, [-1, 0, 5]))
         # Below the floor (a at full size beside b compressed): as small as it gets, not met.
         floor = units(1200)
-        ab.fit(floor)
+        solver.fit(floor)
         self.assertEqual([c.chosen.name for c in floor.choices], ["fp8", "fp8"])
         self.assertEqual((floor.peak, floor.met, floor.live(-1), floor.live(5)), ((1250, 0), False, 500, 1000))
 
@@ -294,7 +294,7 @@ class TestTimeline(TestCase):
                 ("e", 1000, (1, 1), [], 0),
                 ("c", 1000, (2, 2), [_opt("recompute", 0, 0.1)], transient),
             )
-            ab.fit(result)
+            solver.fit(result)
             return [ch.chosen.name for ch in result.choices], result.peak, result.met
 
         self.assertEqual(units(400), (["keep", "recompute"], (1400, 2), True))
@@ -312,11 +312,11 @@ class TestTimeline(TestCase):
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
         names = {n.name: n for n in gm.graph.nodes}
         saved = [types.SimpleNamespace(name=n) for n in ("a_1", "b_1", "gone")]
-        span = lambda *s: ab.backward_span(list(s), {n.name: names[n.name] for n in s if n.name in names}, pos)
+        span = lambda *s: planner.backward_span(list(s), {n.name: names[n.name] for n in s if n.name in names}, pos)
         a, b, gone = saved
-        self.assertEqual(span(a), ab.Span(pos[names["t"]], pos[names["mm"]]))
-        self.assertEqual(span(b), ab.Span(pos[names["mul"]], pos[names["sum_1"]]))
-        self.assertEqual(span(gone), ab.Span(len(pos), len(pos)))
+        self.assertEqual(span(a), solver.Span(pos[names["t"]], pos[names["mm"]]))
+        self.assertEqual(span(b), solver.Span(pos[names["mul"]], pos[names["sum_1"]]))
+        self.assertEqual(span(gone), solver.Span(len(pos), len(pos)))
 
 
 class TestRecomputeInGraphs(BudgetTestCase):
@@ -446,13 +446,13 @@ class GraphModule(torch.nn.Module):
         x = torch.randn(16, 8, device=device, requires_grad=True)
         w = torch.randn(8, 32, device=device, requires_grad=True)
         calls = []
-        real = ab.recompute_recipe
+        real = recompute.recompute_recipe
 
         def counting(*args, **kwargs):
             calls.append(args[0].name)
             return real(*args, **kwargs)
 
-        with mock.patch.object(ab.recompute, "recompute_recipe", counting):  # what with_recipes calls
+        with mock.patch.object(recompute, "recompute_recipe", counting):  # what with_recipes calls
             for memory in (1.0, 0.7):
                 torch._dynamo.reset()
                 with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=("fp8", "recompute"))):
@@ -897,14 +897,14 @@ class TestBudgetOnModels(BudgetTestCase):
 
 class TestOptionHooks(TestCase):
     def test_option_pairs_are_the_library_hooks(self):
-        pack, unpack = ab.option_hooks("bf16")
+        pack, unpack = planner.option_hooks("bf16")
         self.assertIs(pack, inlineable(bf16_pack, bf16_unpack)[0])
-        self.assertIs(ab.option_hooks("fp8"), ab.option_hooks("fp8"))  # one object: traces shared
+        self.assertIs(planner.option_hooks("fp8"), planner.option_hooks("fp8"))  # one object: traces shared
         x = torch.randn(16, 8)
         for name in ("bf16", "fp8", "fp8+offload", "offload"):
-            p, u = ab.option_hooks(name)
+            p, u = planner.option_hooks(name)
             self.assertEqual(u(p(x)).shape, x.shape)
-        p, u = ab.option_hooks("fp8+offload")
+        p, u = planner.option_hooks("fp8+offload")
         ref_p, ref_u = chain(fp8_rowwise(where=None), cpu_offload())
         self.assertEqual(u(p(x)), ref_u(ref_p(x)))
 

@@ -28,8 +28,8 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
-from tools.export_upstream._generate import API_COMMIT, is_test_file
-from tools.export_upstream._tests import HELPERS, Resolver, UpstreamTestError, upstream_test
+from tools.export_upstream._generate import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
+from tools.export_upstream._tests import UPSTREAM_TESTS, HELPERS, Resolver, UpstreamTestError, upstream_test
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
 from tools.export_upstream._write import EFFECTS, LARGE_REASONS, RISKS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
@@ -49,7 +49,7 @@ _CACHE = {}
 
 def exported():
     if "results" not in _CACHE:
-        _CACHE["results"] = run_export(ROOT, patches_module.PATCHES, REPO_ROOT)
+        _CACHE["results"] = run_export(ROOT, patches_module.PATCHES, REPO_ROOT, patches_module.EFFECTS)
     return _CACHE["results"]
 
 
@@ -64,11 +64,9 @@ class TestExport(unittest.TestCase):
 
     def test_every_record_exports(self):
         _, results = exported()
-        own = [r for r in results if r.module is None and r.patch.name != API_COMMIT]
-        self.assertEqual(
-            [r.patch.name for r in own],
-            [p.name for p in patches_module.PATCHES if p.name in {r.patch.name for r in own}],
-        )
+        patch_names = {p.name for p in patches_module.PATCHES}
+        own = [r for r in results if r.patch.name in patch_names and r.module is None]
+        self.assertEqual([r.patch.name for r in own], [p.name for p in patches_module.PATCHES])
         # The last commit gives the hooks library's upstream home its public API: every name
         # of ours, importable from the package (the modules no patch needs come before it).
         self.assertEqual(results[-1].patch.name, API_COMMIT)
@@ -84,19 +82,107 @@ class TestExport(unittest.TestCase):
             self.assertTrue(r.message.startswith(r.patch.summary + "\n"), r.patch.name)
             self.assertIn(f"Retire when: {r.patch.retire_when}"[:60], r.message.replace("\n", " "))
 
+    def test_no_commit_reads_what_a_later_one_adds(self):
+        # A commit's new code reads from upstream modules only names they have at that
+        # commit (a knob, a helper a patch adds to utils.py): the Add commits take what
+        # their module uses of their patch's additions, and come after the new modules they
+        # name. Imports run at first call, so importing each commit cannot show this.
+        _, results = exported()
+        texts: dict[str, str] = {}
+
+        def module_text(module):
+            for rel in (module.replace(".", "/") + ".py", module.replace(".", "/") + "/__init__.py"):
+                if rel in texts:
+                    return texts[rel]
+                path = os.path.join(ROOT, rel)
+                if os.path.exists(path):
+                    with open(path, encoding="utf-8") as f:
+                        return f.read()
+            return None
+
+        def binds(text, name):
+            for node in ast.parse(text).body:
+                targets = (
+                    [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                    [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+                    if isinstance(node, (ast.Assign, ast.AnnAssign)) else
+                    [a.asname or a.name.split(".")[0] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+                )
+                if name in targets or isinstance(node, (ast.If, ast.Try)) and name in ast.unparse(node):
+                    return True
+            return False
+
+        missing = []
+        for r in results:
+            texts.update(r.after)
+            for rel in r.files:
+                if is_test_file(rel) or r.before.get(rel):
+                    continue
+                tree = ast.parse(r.after[rel])
+                aliases = {}
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+                        for a in node.names:
+                            sub = f"{node.module}.{a.name}"
+                            if module_text(sub) is not None:
+                                aliases[a.asname or a.name] = sub
+                            elif module_text(node.module) is not None and not binds(module_text(node.module), a.name):
+                                missing.append(f"{r.filename}: {node.module}.{a.name}")
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                        text = module_text(aliases[node.value.id])
+                        if not binds(text, node.attr) and not (
+                            aliases[node.value.id] == CONFIG_HOME and node.attr in CONFIG_MODULE_API
+                        ):
+                            missing.append(f"{r.filename}: {aliases[node.value.id]}.{node.attr}")
+        self.assertEqual(sorted(set(missing)), [])
+
+    def test_effects_have_an_upstream_form(self):
+        # Each global effect of apply() is, upstream, code run at a module's import (a commit
+        # of its own, right after the patches it builds on, first when none) or done by the
+        # exported code at first use (said in its record).
+        _, results = exported()
+        names = [r.name for r in results]
+        for effect in patches_module.EFFECTS:
+            self.assertNotEqual(effect.upstream is None, not effect.upstream_lazy, effect.name)
+            if effect.upstream is None:
+                self.assertNotIn(effect.name, names)
+                continue
+            i = names.index(effect.name)
+            r = results[i]
+            self.assertEqual(r.subject, effect.upstream.title)
+            home = effect.upstream.home.replace(".", "/") + ".py"
+            self.assertIn(home, r.files)
+            last_line = r.after[home].rstrip().splitlines()[-1]
+            self.assertFalse(last_line.startswith((" ", "\t")), f"{effect.name}: the file does not end at top level")
+            after = [names.index(a) for a in effect.upstream.after]
+            self.assertEqual(i, max(after) + 1 if after else 0, effect.name)
+        # Upstream registers the artifact with the others; the exported code only looks it up.
+        artifact = results[names.index("logging.torch_patches_artifact")]
+        self.assertIn('register_artifact(\n    "saved_tensors_hooks",', artifact.after["torch/_logging/_registrations.py"])
+        added = [line for r in results for line in r.diff.splitlines() if line.startswith("+")]
+        self.assertEqual(sum("register_artifact(" in line for line in added), 1)
+        # The offload lowering registers at the import of Inductor's lowerings.
+        lowering = results[names.index("inductor.offload_lowering")].after["torch/_inductor/lowering.py"]
+        self.assertTrue(lowering.rstrip().endswith("\nregister_offload_lowering()"))
+
     def test_new_modules_are_commits_of_their_own(self):
         # A module of ours with no upstream counterpart is one commit adding one new file
         # (the whole module, with the upstream test file made from ours where there is one),
-        # before the commit of the patch that first uses it; the patch's own commit changes
-        # upstream's files only.
+        # before the commit of the patch that first uses it, with what it uses of the
+        # patch's additions to upstream's files (helpers, knobs: only added lines); the
+        # patch's own commit changes upstream's files only.
         _, results = exported()
         position = {}
         for i, r in enumerate(results):
             if r.module is not None:
-                library = [f for f in r.files if not is_test_file(f)]
+                library = [f for f in r.files if not is_test_file(f) and not r.before[f]]
                 self.assertEqual(len(library), 1, r.name)
                 self.assertEqual(sorted(f for f in r.files if f.startswith("test/")), r.upstream_tests, r.name)
-                self.assertEqual(r.before[library[0]], "", r.name)  # it creates its module
+                self.assertEqual(library[0], r.module.replace(".", "/") + ("/__init__.py" if library[0].endswith("__init__.py") else ".py"))
+                for block in r.diff.split("diff --git ")[1:]:
+                    removed = [line for line in block.splitlines() if line.startswith("-") and not line.startswith("---")]
+                    self.assertEqual(removed, [], f"{r.name} changes upstream code")
                 self.assertTrue(r.subject.split("] ", 1)[1].startswith("Add "), r.subject)
                 position.setdefault(r.patch.name, []).append(i)
             else:
@@ -115,6 +201,8 @@ class TestExport(unittest.TestCase):
                 self.assertIn(r.name, RISKS)
             if r.changed_lines() > REVIEWABLE_LINES:
                 self.assertIn(r.name, LARGE_REASONS, f"{r.name}: {r.changed_lines()} lines without a stated reason")
+        large = {r.name for r in results if r.changed_lines() > REVIEWABLE_LINES}
+        self.assertLessEqual(set(LARGE_REASONS), large, "a reason for a commit no longer over the size")
 
     def test_upstream_names_only(self):
         # Every exported line, code and commit message, speaks upstream's names: knobs under
@@ -135,10 +223,8 @@ class TestExport(unittest.TestCase):
         # first commit whose tests need them.
         _, results = exported()
         carriers = {r.name: r for r in results if r.upstream_tests}
-        self.assertEqual(
-            sorted(carriers),
-            sorted(["add-solver", "aot.runtime_saved_tensors_hooks_context", "aot.autograd_cache_skip_eager_fallback", API_COMMIT]),
-        )
+        self.assertEqual(sorted(carriers), sorted(UPSTREAM_TESTS))  # every carrier is a commit
+        self.assertIn("test/inductor/test_saved_tensors_hooks_offload.py", carriers["inductor.offload_lowering"].upstream_tests)
         helpers = [rel for r in results for rel in r.files if rel.startswith("torch/testing/_internal/")]
         self.assertEqual(sorted(helpers), sorted(rel for _, rel in HELPERS.values()))  # each added once
         for r in carriers.values():
@@ -255,7 +341,7 @@ instantiate_device_type_tests(TestOurs, globals())
 
     def test_deterministic(self):
         _, first = exported()
-        _, second = run_export(ROOT, patches_module.PATCHES, REPO_ROOT)
+        _, second = run_export(ROOT, patches_module.PATCHES, REPO_ROOT, patches_module.EFFECTS)
         self.assertEqual([(r.diff, r.message) for r in first], [(r.diff, r.message) for r in second])
 
     def test_stack_commits(self):

@@ -310,7 +310,7 @@ class TestNotKeyable(IdentityTestCase):
     def test_constant_getattr_keys_only_named_attributes(self, device):
         # getattr with a constant name reads one attribute, which is keyed; a computed name
         # keys every attribute of the module (computed_attribute_name kind).
-        from torch_patches._hook_identity import ALL_ATTRS, _code_info
+        from torch_patches._hook_code import ALL_ATTRS, _code_info
 
         def constant(t):
             return t * getattr(identity_cfg, "SCALE", 1.0) * getattr(identity_cfg.nested, "inner").scale

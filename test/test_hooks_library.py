@@ -389,6 +389,13 @@ class TestHooksLibrary(TestCase):
             hooks_guard_key(hooks.fp8_rowwise()), hooks_guard_key(hooks.fp8_rowwise(torch.float8_e5m2))
         )
 
+    def test_public_api(self, device: str) -> None:
+        # The package exports every ready-made pair, the markers and the record type.
+        for name in ("bf16", "fp8_rowwise", "int8_rowwise", "chain", "cpu_offload", "inlineable",
+                     "is_inlineable", "select", "numerics_safe", "budget", "cache_hash", "SavedTensorInfo"):
+            self.assertIn(name, hooks.__all__)
+            self.assertTrue(callable(getattr(hooks, name)), name)
+
     # ------------------------------------------------------------------ gradients
 
     def check_grads(self, device: str, name: str, backend: str) -> None:

@@ -329,6 +329,25 @@ class TestAllowlistRules(TestCase):
         other = fw.call_function(aten.mm.default, (logits, logits))
         self.assertEqual(saved_numerics.verdict(other, x, gradients).level, "exact")
 
+    def test_every_builtin_entry_names_a_real_argument(self, device):
+        # A typo in the list would silently keep a tensor exact; every overload's schema
+        # is checked (entries for ops this torch lacks are allowed).
+        for key, args in _numerics.BUILTIN.items():
+            ns, name = key.split("::")
+            packet = getattr(getattr(torch.ops, ns), name.split(".")[0], None)
+            if packet is None:
+                continue
+            names = {a.name for o in packet.overloads() for a in getattr(packet, o)._schema.arguments}
+            for arg, level in args.items():
+                self.assertIn(level, _numerics.LEVELS)
+                if arg != _numerics.ALL_ARGS:
+                    self.assertTrue(arg in names or not names, (key, arg, sorted(names)))
+
+
+
+class TestStorageLevels(TestCase):
+    """``numerics_safe`` and the ready-made pairs: which storage each asks for."""
+
     def test_numerics_safe_levels_and_size(self, device):
         def info(**kw):
             base = dict(name="t", producer="aten.mm.default", dtype=torch.float32, shape=(64, 64), nbytes=16384,
@@ -359,24 +378,11 @@ class TestAllowlistRules(TestCase):
             self.assertIsInstance(where, functools.partial)
             self.assertEqual(where.keywords, {"storage": storage})
 
-    def test_every_builtin_entry_names_a_real_argument(self, device):
-        # A typo in the list would silently keep a tensor exact; every overload's schema
-        # is checked (entries for ops this torch lacks are allowed).
-        for key, args in _numerics.BUILTIN.items():
-            ns, name = key.split("::")
-            packet = getattr(getattr(torch.ops, ns), name.split(".")[0], None)
-            if packet is None:
-                continue
-            names = {a.name for o in packet.overloads() for a in getattr(packet, o)._schema.arguments}
-            for arg, level in args.items():
-                self.assertIn(level, _numerics.LEVELS)
-                if arg != _numerics.ALL_ARGS:
-                    self.assertTrue(arg in names or not names, (key, arg, sorted(names)))
-
 
 instantiate_device_type_tests(TestAllowlistCompiled, globals())
 instantiate_device_type_tests(TestAllowlistEager, globals())
 instantiate_device_type_tests(TestAllowlistRules, globals())
+instantiate_device_type_tests(TestStorageLevels, globals())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""In-graph CPU activation offload (``torch_patches.hooks.cpu_offload``, issue 7).
+"""In-graph CPU activation offload (``torch_patches.cpu_offload``, issue 7).
 
 * The ops (``saved_tensors_hooks::offload``, ``reload_start``, ``reload_wait``): exact round trips
   on CPU for every dtype, strides kept for dense tensors, fake implementations under make_fx
@@ -32,7 +32,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_patches.config as tp_config
-from torch_patches import hooks
+from torch_patches.hooks import chain, cpu_offload, fp8_rowwise, is_inlineable
 from torch_patches.hooks import offload as offload_mod
 from torch_patches.testing import (
     HAS_CUDA,
@@ -100,7 +100,7 @@ ops_test = torch.ops.offload_test
 
 
 def offload_chain() -> Any:
-    return hooks.chain(hooks.fp8_rowwise(), hooks.cpu_offload())
+    return chain(fp8_rowwise(), cpu_offload())
 
 
 class TestOffloadOps(TestCase):
@@ -130,7 +130,7 @@ class TestOffloadOps(TestCase):
                 self.assertEqual(back.stride(), cpu.stride())
                 if x.numel():
                     self.assertNotEqual(back.data_ptr(), cpu.data_ptr())
-                pack, unpack = hooks.cpu_offload(pin_memory=False)
+                pack, unpack = cpu_offload(pin_memory=False)
                 restored = unpack(pack(x))
                 self.assertTrue(torch.equal(restored, x))
                 self.assertEqual(restored.stride(), x.stride())  # gaps included
@@ -159,7 +159,7 @@ class TestOffloadOps(TestCase):
 
         x, w = (torch.randn(8, 8, device=device, requires_grad=True) for _ in range(2))
         compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-        with torch.autograd.graph.saved_tensors_hooks(*hooks.cpu_offload(pin_memory=False)):
+        with torch.autograd.graph.saved_tensors_hooks(*cpu_offload(pin_memory=False)):
             loss = compiled(x, w)
         before = len(offload_mod._in_flight)
         with self.assertRaisesRegex(RuntimeError, "boom"):
@@ -169,7 +169,7 @@ class TestOffloadOps(TestCase):
         self.assertEqual(len(offload_mod._in_flight), before)
 
     def test_fake_impls_under_make_fx(self, device: str) -> None:
-        pack, unpack = hooks.cpu_offload()
+        pack, unpack = cpu_offload()
         x = torch.randn(6, 4, device=device).t()
         for mode in ("real", "fake", "symbolic"):
             with self.subTest(mode=mode):
@@ -204,24 +204,23 @@ class TestOffloadOps(TestCase):
     def test_factory_is_inlineable_and_stable(self, device: str) -> None:
         from torch_patches._hook_identity import hooks_guard_key
 
-        a, b = hooks.cpu_offload(), hooks.cpu_offload()
-        self.assertTrue(all(hooks.is_inlineable(f) for f in a))
+        a, b = cpu_offload(), cpu_offload()
+        self.assertTrue(all(is_inlineable(f) for f in a))
         self.assertEqual(hooks_guard_key(a), hooks_guard_key(b))
-        self.assertNotEqual(hooks_guard_key(a), hooks_guard_key(hooks.cpu_offload(pin_memory=False)))
+        self.assertNotEqual(hooks_guard_key(a), hooks_guard_key(cpu_offload(pin_memory=False)))
         self.assertEqual(hooks_guard_key(offload_chain()), hooks_guard_key(offload_chain()))
-        self.assertIn("cpu_offload", hooks.__all__)
 
     def test_chain_round_trip(self, device: str) -> None:
         x = torch.randn(8, 33, device=device)
         # The formats on a plain tensor (as eager hooks the default where keeps a tensor
         # that does not require grad exact).
-        pack, unpack = hooks.chain(hooks.fp8_rowwise(where=None), hooks.cpu_offload())
+        pack, unpack = chain(fp8_rowwise(where=None), cpu_offload())
         packed = pack(x)
         # fp8 payload and float32 scales both moved to the host; the dtype stays a constant.
         _, _, inner = packed
         self.assertEqual([p[0].device.type for p in inner], ["cpu", "cpu"])
         self.assertEqual([p[0].dtype for p in inner], [torch.float8_e4m3fn, torch.float32])
-        fp8_pack, fp8_unpack = hooks.fp8_rowwise(where=None)
+        fp8_pack, fp8_unpack = fp8_rowwise(where=None)
         self.assertTrue(torch.equal(unpack(packed), fp8_unpack(fp8_pack(x))))
 
 
@@ -234,7 +233,7 @@ class TestOffloadCompiled(TestCase):
         rec = AotEagerAndRecordGraphs()
         x, w1, w2 = (torch.randn(8, 8, device=device, requires_grad=True) for _ in range(3))
         with tp_config.patch(reload_prefetch_distance=3):
-            with torch.autograd.graph.saved_tensors_hooks(*hooks.cpu_offload()):
+            with torch.autograd.graph.saved_tensors_hooks(*cpu_offload()):
                 loss = torch.compile(layer, backend=rec, fullgraph=True)(x, w1, w2)
         loss.backward()
         # Forward: relu, mm_1 and t (= sin, transposed for mm_1's weight gradient) are each
@@ -305,7 +304,7 @@ class GraphModule(torch.nn.Module):
             rec = AotEagerAndRecordGraphs()
             torch._dynamo.reset()
             with tp_config.patch(reload_prefetch_distance=reload_d, unpack_prefetch_distance=unpack_d):
-                grads_of(torch.compile(mlp, backend=rec, fullgraph=True), inputs, hooks.cpu_offload())
+                grads_of(torch.compile(mlp, backend=rec, fullgraph=True), inputs, cpu_offload())
             order = self.unpack_order(rec)
             self.assertTrue(order)
             self.assertTrue(all(s < w for s, w in order.values()), order)
@@ -323,19 +322,19 @@ class GraphModule(torch.nn.Module):
             torch._dynamo.reset()
             ref = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs)
             torch._dynamo.reset()
-            got = grads_of(torch.compile(mlp, backend=rec, fullgraph=True), inputs, hooks.cpu_offload())
+            got = grads_of(torch.compile(mlp, backend=rec, fullgraph=True), inputs, cpu_offload())
         self.assertTrue(hook_nodes(rec.fw_graphs[0]) and hook_nodes(rec.bw_graphs[0]), "not inlined")
         fw_targets = {n.target for n in rec.fw_graphs[0].graph.nodes}
         self.assertIn(ops.offload.default, fw_targets)
         # Offload is exact: the same gradients as the same backend without hooks.
         self.assertGradsEqual(got, ref, exact=True)
-        self.assertGradsEqual(grads_of(mlp, inputs, hooks.cpu_offload()), grads_of(mlp, inputs), exact=True)
+        self.assertGradsEqual(grads_of(mlp, inputs, cpu_offload()), grads_of(mlp, inputs), exact=True)
 
         # Compress, then offload: exactly fp8_rowwise's result (offloading is lossless), and
         # close to the no-hook gradients.
         with functorch_config.patch(saved_tensors_hooks_filtering_mode="all"):
             torch._dynamo.reset()
-            fp8 = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs, hooks.fp8_rowwise())
+            fp8 = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs, fp8_rowwise())
             torch._dynamo.reset()
             rec = AotEagerAndRecordGraphs() if backend == "aot_eager" else InductorAndRecordGraphs()
             chained = grads_of(torch.compile(mlp, backend=rec, fullgraph=True), inputs, offload_chain())
@@ -359,7 +358,7 @@ class GraphModule(torch.nn.Module):
         self.check_numerics(device, "inductor")
 
     def test_recreated_pairs_do_not_recompile(self, device: str) -> None:
-        for name, factory in (("cpu_offload", hooks.cpu_offload), ("fp8+offload", offload_chain)):
+        for name, factory in (("cpu_offload", cpu_offload), ("fp8+offload", offload_chain)):
             with self.subTest(name):
                 torch._dynamo.reset()
                 counter = CompileCounterWithBackend("aot_eager")
@@ -390,7 +389,7 @@ class GraphModule(torch.nn.Module):
 
         inputs = [torch.randn(16, 16, device=device, requires_grad=True) for _ in range(4)]
         compiled = torch.compile(f, backend="inductor", fullgraph=True)
-        pair = hooks.cpu_offload()
+        pair = cpu_offload()
 
         def step() -> torch.Tensor:
             with torch.autograd.graph.saved_tensors_hooks(*pair):
@@ -419,9 +418,9 @@ class GraphModule(torch.nn.Module):
     def test_eager_hooks_exact(self, device: str) -> None:
         # Not compiled: the pair runs as ordinary saved-tensor hooks.
         inputs = mlp_inputs(device)
-        self.assertGradsEqual(grads_of(mlp, inputs, hooks.cpu_offload()), grads_of(mlp, inputs), exact=True)
+        self.assertGradsEqual(grads_of(mlp, inputs, cpu_offload()), grads_of(mlp, inputs), exact=True)
         self.assertGradsEqual(
-            grads_of(mlp, inputs, offload_chain()), grads_of(mlp, inputs, hooks.fp8_rowwise()), exact=True
+            grads_of(mlp, inputs, offload_chain()), grads_of(mlp, inputs, fp8_rowwise()), exact=True
         )
 
 
@@ -456,7 +455,7 @@ class TestOffloadCUDA(TestCase):
             torch._dynamo.reset()
             ref = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs)
             torch._dynamo.reset()
-            got = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs, hooks.cpu_offload())
+            got = grads_of(torch.compile(mlp, backend=backend, fullgraph=True), inputs, cpu_offload())
             self.assertGradsEqual(got, ref, exact=True)
 
     def test_compiled_cuda_large_copies_race_nothing(self) -> None:
@@ -472,7 +471,7 @@ class TestOffloadCUDA(TestCase):
         torch._dynamo.reset()
         compiled = torch.compile(mlp, backend="inductor", fullgraph=True)
         for _ in range(3):
-            got = grads_of(compiled, inputs, hooks.cpu_offload())
+            got = grads_of(compiled, inputs, cpu_offload())
             self.assertGradsEqual(got, ref, exact=True)
 
 

@@ -1,6 +1,7 @@
 """Meta-tests of the patch registry: records, identity round trips, refusals."""
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -172,8 +173,15 @@ class TestApplyUnapply(TestCase):
 
         names = [e.name for e in EFFECTS]
         self.assertEqual(len(names), len(set(names)))
+        patch_names = {p.name for p in PATCHES}
         for e in EFFECTS:
             self.assertTrue(e.summary and e.install, e.name)
+            # Upstream, each is code run at a module's import, or done by the code at first use.
+            self.assertNotEqual(e.upstream is None, not e.upstream_lazy, e.name)
+            if e.upstream is not None:
+                self.assertLessEqual(set(e.upstream.after), patch_names, e.name)
+                form = _registry._load(e.upstream.form)
+                self.assertEqual(list(inspect.signature(form).parameters), [], e.name)
         torch_patches.apply()
         try:
             self.assertEqual(torch_patches.installed_effects(), names)

@@ -41,7 +41,7 @@ class CompileFacts:
     #: (``saved_tensor_records.CompiledSavedTensors``, in compile order).
     saved_tensors: list[Any] = dataclasses.field(default_factory=list)
     #: Tensors inlined hooks read that Dynamo made graph inputs: (the pair's label -
-    #: ``"ambient"`` or an in-region scope's -, ``_hook_identity.LiftedTensor``, the Dynamo
+    #: ``"ambient"`` or an in-region scope's -, ``_hook_inputs.LiftedTensor``, the Dynamo
     #: graph's placeholder), read by the inliner.
     hook_inputs: list[Any] = dataclasses.field(default_factory=list)
 

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from torch_patches._registry import Effect, Patch
+from torch_patches._registry import Effect, Patch, UpstreamForm
 
 
 _FINGERPRINTS_FILE = os.path.join(os.path.dirname(__file__), "fingerprints.json")
@@ -220,12 +220,19 @@ EFFECTS: tuple[Effect, ...] = (
         install=f"{_TP}_logging:install_artifact",
         summary="register the torch_patches logging artifact (TORCH_LOGS=torch_patches)",
         inert="torch._logging cannot unregister an artifact; once unapplied nothing logs to it",
+        upstream=UpstreamForm(
+            home="torch._logging._registrations",
+            form=f"{_TP}_logging:registration",
+            title="[logging] Register the saved_tensors_hooks artifact",
+        ),
+        tests=("test/test_logging.py", "test/test_select.py"),
     ),
     Effect(
         name="aot.side_effect_probe",
         install=f"{_TP}_functorch._aot_autograd.hook_tracing:install_side_effect_probe",
         summary="a Python audit hook recording the I/O a hook attempts while it is traced",
         inert="audit hooks cannot be removed (PEP 578); it records only in a thread tracing a hook",
+        upstream_lazy="the tracer adds the audit hook at its first hook trace (hook_tracing._no_side_effects)",
     ),
     Effect(
         name="inductor.offload_lowering",
@@ -233,5 +240,12 @@ EFFECTS: tuple[Effect, ...] = (
         summary="Inductor lowering of saved_tensors_hooks::offload that frees, never reuses, the buffer it copies "
         "(importing torch_patches.hooks.offload registers the torch_patches custom ops)",
         area="offload",
+        upstream=UpstreamForm(
+            home="torch._inductor.lowering",
+            form=f"{_TP}_inductor.lowering:upstream_form",
+            title="[inductor] Lower saved_tensors_hooks::offload: free its input without reuse",
+            after=("inductor.no_inplace_reuse",),
+        ),
+        tests=("test/test_offload.py",),
     ),
 )

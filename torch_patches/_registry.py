@@ -111,6 +111,28 @@ class Patch:
 
 
 @dataclasses.dataclass(frozen=True)
+class UpstreamForm:
+    """What an :class:`Effect` is in the upstream form, where torch holds the feature and no
+    ``apply()`` runs: code that runs when an upstream module is imported.
+
+    Attributes:
+        home: the upstream module whose import does it (``torch._logging._registrations``).
+        form: ``"module:function"`` of ours, a function without parameters whose body is
+            that code.  The exporter appends the body to ``home``, names resolved as in any
+            exported code; a name of ours bound to a string constant is written as the
+            literal (an upstream registration names its artifact in place).
+        title: the subject of its upstream commit (``[inductor] ...``).
+        after: patches it builds on: its commit comes right after the last of them, first
+            in the stack when there are none.
+    """
+
+    home: str
+    form: str
+    title: str
+    after: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Effect:
     """A global effect of :func:`apply` that is not an attribute replacement (a logging
     artifact, an Inductor lowering, an audit hook).
@@ -123,6 +145,11 @@ class Effect:
         summary: what it does, one line.
         inert: for an effect that stays after :func:`unapply`: why it then does nothing.
         area: as :attr:`Patch.area`.
+        upstream: its upstream form, exported as a commit of its own (see
+            :class:`UpstreamForm`).
+        upstream_lazy: instead of ``upstream``: why the upstream form needs none (the
+            exported code does it at first use).
+        tests: as :attr:`Patch.tests`.
     """
 
     name: str
@@ -130,6 +157,9 @@ class Effect:
     summary: str
     inert: str = ""
     area: str = "core"
+    upstream: UpstreamForm | None = None
+    upstream_lazy: str = ""
+    tests: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass

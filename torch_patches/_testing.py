@@ -20,7 +20,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch._dynamo.test_case
@@ -30,9 +30,9 @@ from torch.testing._internal.common_device_type import (
     instantiate_device_type_tests as _instantiate_device_type_tests,
 )
 
-from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
-from torch_patches._functorch._aot_autograd import graph_compile, saved_tensor_records as saved_records
-from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
+if TYPE_CHECKING:
+    from torch_patches._errors import SavedTensorsHookError
+
 
 
 #: (major, minor) of the installed torch, for per-version goldens.
@@ -89,6 +89,8 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
 
 def hook_warnings(caught: Iterable[warnings.WarningMessage]) -> list[str]:
     """The messages of the saved-tensors hook warnings among ``caught``."""
+    from torch_patches._errors import SavedTensorsHookWarning
+
     return [str(w.message) for w in caught if issubclass(w.category, SavedTensorsHookWarning)]
 
 
@@ -113,7 +115,9 @@ def saved_tensor_records() -> Iterator[list[Any]]:
     nothing.  The same records are written, one line each, to the debug log
     (``TORCH_LOGS="torch_patches"``).
     """
-    with saved_records.recording() as out:
+    from torch_patches._functorch._aot_autograd import saved_tensor_records
+
+    with saved_tensor_records.recording() as out:
         yield out
 
 
@@ -122,9 +126,13 @@ class TestCase(torch._dynamo.test_case.TestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        # "One warning per untraceable hook" holds per test, not only per process.
-        graph_compile._warned.clear()
-        graph_compile._warned_objects.clear()
+        # "One warning per untraceable hook" holds per test, not only per process (the
+        # harness serves every commit of the stack: the inliner may not be there yet).
+        from torch_patches._functorch._aot_autograd import graph_compile
+
+        for seen in (getattr(graph_compile, "_warned", None), getattr(graph_compile, "_warned_objects", None)):
+            if seen is not None:
+                seen.clear()
 
     def assertExpectedInline(  # noqa: N802
         self, actual: Any, expect: str, skip: int = 0, **kwargs: Any
@@ -152,6 +160,8 @@ class TestCase(torch._dynamo.test_case.TestCase):
         wrapper's), or, for hooks entered inside the compiled region, as the cause of
         Dynamo's ``Unsupported``; all forms count. Yields a list that holds the error afterwards.
         """
+        from torch_patches._errors import SavedTensorsHookError
+
         caught: list[SavedTensorsHookError] = []
         try:
             yield caught
@@ -347,6 +357,8 @@ _DEVICE_STR_RE = re.compile(r"device = '(cpu|cuda)(:\d+)?'")
 
 def hook_nodes(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
     """name -> {"role", "saved", "hook"} for every node an inliner inserted."""
+    from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
+
     return {n.name: n.meta[HOOK_META] for n in gm.graph.nodes if HOOK_META in n.meta}
 
 

@@ -37,6 +37,12 @@ def _patches():
     return _registry._registered()
 
 
+def _effects():
+    from torch_patches import _registry
+
+    return _registry._registered_effects()
+
+
 def _print_report(results) -> None:
     for r in results:
         if r.status == "exported":
@@ -52,7 +58,7 @@ def _print_report(results) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     root = args.torch_root or installed_torch_root()
-    exporter, results = run_export(root, _patches(), REPO_ROOT)
+    exporter, results = run_export(root, _patches(), REPO_ROOT, _effects())
     write_out(args.out, root, results)
     _print_report(results)
     print(f"wrote {args.out}")
@@ -86,7 +92,7 @@ def run_upstream_tests(
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root = args.torch_root or installed_torch_root()
-    _, results = run_export(root, _patches(), REPO_ROOT)
+    _, results = run_export(root, _patches(), REPO_ROOT, _effects())
     _print_report(results)
     with tempfile.TemporaryDirectory(prefix="tp-upstream-") as tmp:
         proc = run_upstream_tests(results, root, tmp, args.tests or list(DEFAULT_TESTS))

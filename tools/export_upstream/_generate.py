@@ -40,10 +40,10 @@ import difflib
 import importlib.util
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from torch_patches._registry import Patch, find_definition, fingerprint_source, combine_fingerprints
+from torch_patches._registry import Effect, Patch, find_definition, fingerprint_source, combine_fingerprints
 
 from tools.export_upstream import _names
 from tools.export_upstream._pysrc import (
@@ -86,6 +86,9 @@ CONFIG_MODULE_API = frozenset(
 #: or nothing upstream would keep) move into the upstream file that needs them first.
 NEW_MODULE_NAMES = {
     "torch_patches._hook_identity": "torch._functorch._aot_autograd.hook_identity",
+    "torch_patches._hook_walk": "torch._functorch._aot_autograd.hook_walk",
+    "torch_patches._hook_code": "torch._functorch._aot_autograd.hook_code",
+    "torch_patches._hook_inputs": "torch._functorch._aot_autograd.hook_inputs",
     "torch_patches._hook_kinds": "torch._functorch._aot_autograd.hook_kinds",
     "torch_patches._hook_scopes": "torch._functorch._aot_autograd.hook_scopes",
     "torch_patches._compile_facts": "torch._functorch._aot_autograd.compile_facts",
@@ -150,6 +153,9 @@ class PatchExport:
     source: str | None = None
     #: Upstream test files this commit adds (``_tests.py``), run right after it is applied.
     upstream_tests: list[str] = dataclasses.field(default_factory=list)
+    #: ``stage(rel, modules)``: an existing file of the patch with only what the new
+    #: ``modules`` need of its additions (:func:`split_new_modules`).
+    stage: Callable[[str, frozenset[str]], str] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -188,6 +194,10 @@ class _FileWork:
     before_line: int | None = None  # helpers go before this line (else end of file)
     knobs: list[tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=list)
     bound: set[str] = dataclasses.field(default_factory=set)  # names we bind in it
+    tail: list[str] = dataclasses.field(default_factory=list)  # statements run at its import, last
+    #: (module, name) of each entry of ``helpers`` / ``knobs``, in order (see ``_Job.edges``).
+    helper_keys: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    knob_keys: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def binds(self, name: str) -> bool:
         return name in self.bound or name in self.src.bindings
@@ -229,6 +239,8 @@ class Exporter:
         #: ours each stands for.
         self.new_modules: dict[str, str] = {}
         self.new_module_sources: dict[str, str] = {}
+        #: The registry effects being exported (:meth:`export`), by commit name.
+        self.effects: dict[str, Effect] = {}
 
     # ------------------------------------------------------------ sources
 
@@ -385,9 +397,12 @@ class Exporter:
         api = self.tp_source(TP + ".hooks").bindings
         return _names.upstream_names(text, lambda m: self.module_home(m, state), self._knob_name, api)
 
-    def export(self, patches: Sequence[Patch]) -> list[PatchExport]:
-        """Every patch's upstream form, in stack order (twice when prose named a moved module
-        before the patch that moves it: the second pass knows where it went)."""
+    def export(self, patches: Sequence[Patch], effects: Sequence[Effect] = ()) -> list[PatchExport]:
+        """Every patch's upstream form, and every effect's that has one, in stack order
+        (twice when prose named a moved module before the patch that moves it: the second
+        pass knows where it went)."""
+        patches = with_effects(stack_order(patches), effects)
+        self.effects = {e.name: e for e in effects if e.upstream is not None}
         base, state = dict(self.base), self.state.copy()
         out = self._export_all(patches)
         missed = {m for m in self._unknown_homes if m in self.state.homes}
@@ -428,6 +443,9 @@ class Exporter:
     # ------------------------------------------------------------ one patch
 
     def _export_one(self, patch: Patch, state: _State, result: PatchExport) -> None:
+        if patch.name in self.effects:
+            self._export_effect(self.effects[patch.name], patch, state, result)
+            return
         t_module, _, t_qual = patch.target.partition(":")
         r_module, _, r_attr = patch.replacement.partition(":")
         if not t_module.startswith("torch.") and t_module != "torch":
@@ -438,6 +456,30 @@ class Exporter:
         self.read_upstream(rel)
         job = _Job(self, patch, state, t_module, t_qual.split("."), r_module, r_attr)
         job.run()
+        self._finish_job(job, state, result)
+
+    def _export_effect(self, effect: Effect, patch: Patch, state: _State, result: PatchExport) -> None:
+        """A registry effect's upstream form: the body of its form function, appended to
+        the upstream module whose import does it (:class:`~torch_patches._registry.UpstreamForm`)."""
+        form = effect.upstream
+        assert form is not None
+        module, _, name = form.form.partition(":")
+        src = self.tp_source(module)
+        b = src.bindings.get(name)
+        fn = b.stmt if b is not None else None
+        if not isinstance(fn, ast.FunctionDef) or fn.args.args or fn.args.posonlyargs or fn.args.kwonlyargs:
+            raise ExportError(f"{effect.name}: {form.form} is not a function without parameters")
+        self.read_upstream(self.upstream_rel(form.home))
+        job = _Job(self, patch, state, form.home, [], module, name)
+        job._requester = form.home  # type: ignore[attr-defined]
+        fw = job.file(form.home)
+        body = [stmt for stmt in fn.body if not _is_docstring(stmt)]
+        if not body:
+            raise ExportError(f"{effect.name}: {form.form} has no statements")
+        for stmt in body:
+            text = job.emit(src, stmt, form.home, comments=False, fold_constants=True)
+            fw.tail.append(reindent(text, stmt.col_offset, ""))
+        job.drain()
         self._finish_job(job, state, result)
 
     def _finish_job(self, job: _Job, state: _State, result: PatchExport) -> None:
@@ -456,6 +498,8 @@ class Exporter:
             raise ExportError("the upstream form changes nothing")
         result.files = sorted(r for r in after if after[r] != before[r])
         result.diff = "".join(diffs)
+        rel_module = {self.upstream_rel(m): m for m in job.work}
+        result.stage = lambda rel, modules: self.upstream_names(job.render_stage(rel_module[rel], modules), state)
         result.before = {r: before[r] for r in result.files}
         result.after = {r: after[r] for r in result.files}
 
@@ -535,32 +579,82 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
         if not created:
             out.append(r)
             continue
-        created.sort(key=lambda rel: (
+        created = _dependencies_first(created, module_of, r.after, lambda rel: (
             rel.count("/") - rel.endswith("__init__.py"),
             exporter.import_rank(exporter.new_module_sources[module_of[rel]]),
             rel,
         ))
         blocks = _diff_blocks(r.diff)
-        for rel in created:
+        rest = [rel for rel in r.files if rel not in created]
+        current = {rel: r.before[rel] for rel in rest}  # existing files as the Add commits leave them
+        taken: set[str] = set()
+        for k, rel in enumerate(created):
             module = module_of[rel]
-            out.append(PatchExport(
+            add = PatchExport(
                 r.patch, r.number, files=[rel], diff=blocks[rel],
                 added=[a for a in r.added if a.partition(":")[0] == module],
                 before={rel: ""}, after={rel: r.after[rel]},
                 module=module, source=exporter.new_module_sources[module],
-            ))
-        rest = [rel for rel in r.files if rel not in created]
-        r.files = rest
-        r.diff = "".join(blocks[rel] for rel in rest)
-        r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[c] for c in created}]
-        r.before = {rel: r.before[rel] for rel in rest}
-        r.after = {rel: r.after[rel] for rel in rest}
+            )
+            # What the module uses of the patch's additions to existing files comes with it.
+            assert r.stage is not None
+            needs = frozenset(module_of[c] for c in created[: k + 1])
+            for other in rest:
+                text = r.stage(other, needs)
+                if text != current[other]:
+                    add.files.append(other)
+                    add.diff += unified_diff(other, current[other], text)
+                    add.before[other], add.after[other] = current[other], text
+                    current[other] = text
+            moved = [a for a in r.added if a not in taken and _added_in(a, add, exporter)]
+            add.added += [a for a in moved if a not in add.added]
+            taken.update(moved)
+            out.append(add)
+        r.files = [rel for rel in rest if current[rel] != r.after[rel]]
+        r.diff = "".join(
+            blocks[rel] if current[rel] == r.before[rel] else unified_diff(rel, current[rel], r.after[rel])
+            for rel in r.files
+        )
+        r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[c] for c in created} and a not in taken]
+        r.before = {rel: current[rel] for rel in r.files}
+        r.after = {rel: r.after[rel] for rel in r.files}
         out.append(r)
     for number, r in enumerate(out, 1):
         r.number = number
     return out
 
 
+
+
+def _dependencies_first(
+    rels: list[str], module_of: dict[str, str], texts: dict[str, str], key: Callable[[str], Any]
+) -> list[str]:
+    """The new files ``rels`` in an order where each comes after its package and after the
+    new modules its text names (at import or in a function), else by ``key``."""
+
+    def uses(a: str, b: str) -> bool:
+        pkg, _, name = module_of[b].rpartition(".")
+        return (
+            rel_dir(a).startswith(rel_dir(b)) and b.endswith("__init__.py") and a != b
+        ) or bool(re.search(rf"\b{re.escape(module_of[b])}\b|\bfrom {re.escape(pkg)} import (?:\(\s*)?[^\n]*\b{name}\b", texts[a]))
+
+    def rel_dir(rel: str) -> str:
+        return rel.rpartition("/")[0] + "/"
+
+    out: list[str] = []
+    todo = sorted(rels, key=key)
+    while todo:
+        ready = next((a for a in todo if not any(uses(a, b) for b in todo if b != a)), todo[0])  # a cycle: by key
+        out.append(ready)
+        todo.remove(ready)
+    return out
+
+
+def _added_in(added: str, commit: PatchExport, exporter: Exporter) -> bool:
+    """Whether ``added`` ("module:name") is defined in an existing file ``commit`` changes."""
+    module, _, name = added.partition(":")
+    rel = exporter.upstream_rel(module)
+    return rel in commit.after and commit.before.get(rel) and name.split(".")[0] in Source(commit.after[rel], module).bindings
 
 
 def _not_exported(src: Source, node: ast.stmt) -> list[tuple[int, int]]:
@@ -582,6 +676,48 @@ def _diff_blocks(diff: str) -> dict[str, str]:
             rel = block.split("\n", 1)[0].split(" b/", 1)[1]
             blocks[rel] = block
     return blocks
+
+
+#: ``_Job.edges``' key for the patch's replacement itself.
+_ROOT = ("", "")
+
+
+def effect_patch(effect: Effect) -> Patch:
+    """The record an effect's upstream commit is described by (it replaces nothing)."""
+    form = effect.upstream
+    assert form is not None
+    return Patch(
+        name=effect.name,
+        target=f"{form.home}:<import>",
+        replacement=form.form,
+        summary=form.title,
+        upstream="",
+        retire_when="never: it is part of the feature upstream",
+        fingerprints={},
+        after=form.after,
+        tests=effect.tests,
+        area=effect.area,
+    )
+
+
+def with_effects(ordered: Sequence[Patch], effects: Sequence[Effect]) -> list[Patch]:
+    """``ordered`` with the commit of each effect that has an upstream form: right after the
+    last patch it builds on, first when it builds on none."""
+    out = list(ordered)
+    for effect in effects:
+        if effect.upstream is None:
+            continue
+        names = [p.name for p in out]
+        missing = [a for a in effect.upstream.after if a not in names]
+        if missing:
+            raise ExportError(f"{effect.name} builds on {', '.join(missing)}, which are not in the stack")
+        at = max((names.index(a) + 1 for a in effect.upstream.after), default=0)
+        out.insert(at, effect_patch(effect))
+    return out
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
 def stack_order(patches: Sequence[Patch]) -> list[Patch]:
@@ -643,6 +779,24 @@ class _Job:
         self.knobs: dict[str, str] = {}
         self.notes: list[str] = []
         self._emitted: set[tuple[str, int]] = set()
+        #: What each emitted definition (upstream module, name) needs that this job adds:
+        #: definitions, and top-level imports as (module, "import NAME"). ``_ROOT`` is the
+        #: patch's replacement itself. A new module's commit takes what its definitions reach.
+        self.edges: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        self._ctx: tuple[str, str] = _ROOT
+
+    def _need(self, key: tuple[str, str]) -> None:
+        self.edges.setdefault(self._ctx, set()).add(key)
+
+    def reach(self, roots: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        seen: set[tuple[str, str]] = set()
+        todo = list(roots)
+        while todo:
+            key = todo.pop()
+            if key not in seen:
+                seen.add(key)
+                todo.extend(self.edges.get(key, ()))
+        return seen
 
     @property
     def files(self) -> list[str]:
@@ -659,6 +813,7 @@ class _Job:
     # --------------------------------------------------------------- driver
 
     def run(self) -> None:
+        self._ctx = _ROOT
         target_file = self.file(self.t_module)
         src = target_file.src
         owner_path, attr = self.t_path[:-1], self.t_path[-1]
@@ -827,6 +982,7 @@ class _Job:
         """Where (upstream module, name) our definition ``tp_module.name`` lives; queue it."""
         key = (tp_module, name)
         if key in self.state.placed:
+            self._need(self.state.placed[key])
             return self.state.placed[key]
         src = self.ex.tp_source(tp_module)
         b = src.bindings.get(name)
@@ -871,6 +1027,7 @@ class _Job:
             raise ExportError(f"{tp_module}.{name} is bound with other names and collides upstream")
         for n in names:
             self.state.placed[(tp_module, n)] = (dest, final if n == name else n)
+        self._need((dest, final))
         self.queue.append((tp_module, name))
         if is_knob:
             self.knobs[name] = f"{dest}.{final}"
@@ -904,6 +1061,7 @@ class _Job:
             self._emitted.add(key)
             dest, final = self.state.placed[(tp_module, name)]
             fw = self.file(dest)
+            self._ctx = (dest, final)
             renames = {}
             if final != name:
                 renames[name] = final
@@ -912,6 +1070,7 @@ class _Job:
             rank = self.ex.import_rank(tp_module)
             order = (0 if self.ex.mirror_of(tp_module) is None else 1, rank, tp_module, b.stmt.lineno)
             (fw.knobs if is_knob else fw.helpers).append((order, text))
+            (fw.knob_keys if is_knob else fw.helper_keys).append((dest, final))
             fw.bound.update(renames.get(n, n) for n in stmt_binds(b.stmt))
             self.added.append(f"{dest}:{final}")
 
@@ -939,8 +1098,10 @@ class _Job:
         enclosing_names: dict[str, str] | None = None,
         drop_decorators: Iterable[ast.expr] = (),
         store_renames: dict[str, str] | None = None,
+        fold_constants: bool = False,
     ) -> str:
-        """The text of our statement ``node``, rewritten to live in upstream ``dest``."""
+        """The text of our statement ``node``, rewritten to live in upstream ``dest``
+        (``fold_constants``: names of ours bound to a string are written as the string)."""
         fw = self.file(dest)
         self._requester = dest
         edits: list[Edit] = []
@@ -1003,6 +1164,10 @@ class _Job:
                     edits.append(Edit(*src.span(n), store_renames[n.id]))
                 continue
             self._owner = owners.get(id(n))
+            literal = _string_constant(src, n.id) if fold_constants else None
+            if literal is not None:
+                edits.append(Edit(*src.span(n), literal))
+                continue
             new = self._global_ref(src, use, fw)
             if new is not None:
                 span_node = use.attribute if (use.attribute is not None and new[1]) else n
@@ -1099,6 +1264,7 @@ class _Job:
         """
         for name, dotted in fw.imports.items():
             if dotted == module:
+                self._need((fw.module, "import " + name))
                 return name
         b = fw.src.bindings.get(preferred)
         if b is not None and b.kind == "import" and b.dotted == module and not b.type_checking:
@@ -1120,9 +1286,16 @@ class _Job:
         name = preferred if not fw.binds(preferred) else self._fresh(fw.module, f"{preferred}_mod")
         fw.imports[name] = module
         fw.bound.add(name)
+        self._need((fw.module, "import " + name))
         return name
 
     def ensure_binding(self, fw: _FileWork, name: str, dotted: str, annotation: bool) -> str:
+        bound = self._ensure_binding(fw, name, dotted, annotation)
+        if bound in fw.imports:
+            self._need((fw.module, "import " + bound))
+        return bound
+
+    def _ensure_binding(self, fw: _FileWork, name: str, dotted: str, annotation: bool) -> str:
         if fw.imports.get(name) == dotted:
             return name
         b = fw.src.bindings.get(name)
@@ -1181,6 +1354,25 @@ class _Job:
             out[self.ex.upstream_rel(module)] = self._render_file(fw)
         return out
 
+    def render_stage(self, module: str, new_modules: Iterable[str]) -> str:
+        """Existing upstream ``module`` with only the additions the definitions of
+        ``new_modules`` reach (no replacement): what their ``Add`` commits change in it."""
+        roots = {k for m in new_modules if m in self.work for k in self.work[m].helper_keys}
+        allowed = self.reach(roots)
+        fw = self.work[module]
+
+        def pick(entries: list[Any], keys: list[tuple[str, str]]) -> list[Any]:
+            return [e for e, k in zip(entries, keys) if k in allowed]
+
+        return self._render_file(dataclasses.replace(
+            fw,
+            replace=None,
+            tail=[],
+            helpers=pick(fw.helpers, fw.helper_keys),
+            knobs=pick(fw.knobs, fw.knob_keys),
+            imports={n: d for n, d in fw.imports.items() if (module, "import " + n) in allowed},
+        ))
+
     def _render_file(self, fw: _FileWork) -> str:
         lines = list(fw.src.lines)
         if lines and not lines[-1].endswith("\n"):
@@ -1195,6 +1387,8 @@ class _Job:
                 inserts.append((fw.before_line - 1, 1, [block, "\n\n"]))
             else:
                 inserts.append((len(lines), 1, ["\n\n", block]))
+        if fw.tail:  # after the helpers (inserts at one line go in reverse priority)
+            inserts.append((len(lines), 0, ["\n" if fw.helpers else "", *("\n" + t for t in fw.tail)]))
         if fw.knobs:
             at = self._knob_anchor(fw.src)
             block = "".join("\n" + t.rstrip("\n") + "\n" for _, t in sorted(fw.knobs))
@@ -1261,6 +1455,21 @@ class _Job:
         ):
             idx -= 1
         return src.stmt_lines(body[idx])[0] - 1
+
+
+def _string_constant(src: Source, name: str) -> str | None:
+    """``name``'s string, as a double-quoted literal, when ``src`` binds it to a string
+    constant (implicit concatenation included); else None."""
+    b = src.bindings.get(name)
+    if b is None or b.kind != "assign" or not isinstance(b.stmt, (ast.Assign, ast.AnnAssign)):
+        return None
+    value = b.stmt.value
+    if not isinstance(value, ast.Constant) or not isinstance(value.value, str):
+        return None
+    text = value.value
+    if any(c in text for c in "\"\\\n") or not text.isprintable():
+        return repr(text)
+    return f'"{text}"'
 
 
 def _local_names(fn: ast.AST) -> set[str]:

@@ -56,6 +56,7 @@ def upstream_names(
     text = re.sub(r"\btorch_patches\.(apply|unapply)\(\)", r"\1()", text)
     text = re.sub(r"(TORCH_LOGS=[\"']?[+-]?)torch_patches\b", rf"\g<1>{ARTIFACT}", text)
     text = re.sub(r"([\"'])torch_patches\1", rf"\g<1>{ARTIFACT}\g<1>", text)
+    text = re.sub(r"``torch_patches``(?= (?:log )?artifact)", f"``{ARTIFACT}``", text)
     text = re.sub(r"([\"'(]|``|^|\s)torch_patches: ", r"\1", text, flags=re.M)
 
     def dotted(m: re.Match[str]) -> str:

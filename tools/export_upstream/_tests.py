@@ -57,9 +57,23 @@ _F, _D, _I = "module: functorch", "module: dynamo", "module: inductor"
 _IDENTITY_DATA = ("identity_cfg.py", "identity_deps.py", "identity_imported.py", "identity_worker.py")
 
 UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
+    "logging.torch_patches_artifact": [
+        UpstreamTest("test/test_logging.py", "test/dynamo/test_saved_tensors_hooks_logging.py", _D),
+    ],
+    # A new module's unit tests come with it (the behaviour commits that use it follow).
+    "add-saved_numerics": [
+        UpstreamTest("test/test_numerics.py", "test/functorch/test_saved_numerics.py", _F, classes=("TestAllowlistRules",)),
+    ],
     "add-solver": [
         UpstreamTest("test/test_budget_solver.py", "test/functorch/test_activation_budget_solver.py", _F),
     ],
+    "add-planner": [
+        UpstreamTest(
+            "test/test_budget.py", "test/functorch/test_activation_budget.py", _F,
+            classes=("TestCostModel", "TestRecompute", "TestTimeline"),
+        ),
+    ],
+
     # Hooks traced into the graphs, placed at use, with the runtime deciding per graph: the
     # goldens, the numerics against eager hooks, identity, guards, inputs, in-region scopes.
     "aot.runtime_saved_tensors_hooks_context": [
@@ -77,21 +91,22 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
     "aot.autograd_cache_skip_eager_fallback": [
         UpstreamTest("test/test_upstream_ports.py", "test/functorch/test_saved_tensors_hooks_aotdispatch.py", _F),
     ],
+    # In-graph CPU offload: complete once Inductor lowers the offload op (the registry
+    # effect's commit, after the two Inductor fixes it relies on).
+    "inductor.offload_lowering": [
+        UpstreamTest("test/test_offload.py", "test/inductor/test_saved_tensors_hooks_offload.py", _I),
+    ],
     # The library through its public API.
     "utils.saved_tensors_hooks_api": [
         UpstreamTest("test/test_hooks_library.py", "test/test_saved_tensors_hooks.py", _F),
         UpstreamTest("test/test_select.py", "test/functorch/test_saved_tensors_hooks_select.py", _F),
-        UpstreamTest("test/test_numerics.py", "test/functorch/test_saved_tensors_hooks_allowlist.py", _F),
+        UpstreamTest(
+            "test/test_numerics.py", "test/functorch/test_saved_tensors_hooks_allowlist.py", _F,
+            classes=("TestAllowlistCompiled", "TestAllowlistEager", "TestStorageLevels"),
+        ),
         UpstreamTest(
             "test/test_activation_inputs.py", "test/functorch/test_saved_tensors_hooks_activation_inputs.py", _F,
             classes=("TestActivationInputs",),
-        ),
-        UpstreamTest(
-            "test/test_offload.py", "test/inductor/test_saved_tensors_hooks_offload.py", _I,
-            leave_out=(("TestOffloadCompiled.test_inductor_frees_offloaded_buffers_without_reuse", (
-                "needs the offload op's Inductor lowering, a registry effect of the patch set "
-                "(inductor.offload_lowering) the stack does not export yet"
-            )),),
         ),
     ],
 }
@@ -139,6 +154,8 @@ class _Converter:
         self.config_aliases: set[str] = set()
         self.helpers: set[str] = set()
         self.generated: set[str] = set()  # modules the converted imports name
+        #: With some classes only: the top-level names what is kept uses (None: all).
+        self.needed: set[str] | None = None
 
     # ------------------------------------------------------------- imports
 
@@ -195,6 +212,8 @@ class _Converter:
         groups: dict[str, list[str]] = {}
         for a in node.names:
             bound = a.asname or a.name
+            if node.col_offset == 0 and self.needed is not None and bound not in self.needed:
+                continue  # only classes left out use it
             if module == "torch_patches" and a.name == "config":
                 self.config_aliases.add(bound)
                 groups.setdefault("torch._functorch", []).append("config" + (f" as {bound}" if bound != "config" else ""))
@@ -274,6 +293,15 @@ class _Converter:
                 self._remove(node)
             elif isinstance(node, ast.Expr) and _instantiates(node, drop):
                 self._remove(node)
+        if keep:  # helpers only the dropped classes use go with them
+            self.needed = _needed(tree, drop)
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in drop | self.needed | set(keep):
+                    self._remove(node)
+                    drop.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and not _binds(node) & self.needed:
+                    if _binds(node):
+                        self._remove(node)
         for node in ast.walk(tree):
             if isinstance(node, ast.stmt) and node.lineno >= 2 and self.src.lines[node.lineno - 2].strip() == NOT_EXPORTED:
                 self.edits.append((*self.src.line_range_bytes(node.lineno - 1, node.end_lineno), ""))  # type: ignore[arg-type]
@@ -289,7 +317,7 @@ class _Converter:
             if isinstance(node, ast.Attribute) and _dotted(node) == "torch_patches.config":
                 start, end = self.src.span(node)
                 self.edits.append((start, end, UPSTREAM_CONFIG))
-        text = _prune_imports(self._apply(), self.generated)
+        text = _prune_imports(self._apply(), self.generated, every=bool(keep))
         left = sorted({
             _dotted(n) for n in ast.walk(ast.parse(text))
             if isinstance(n, ast.Attribute) and _dotted(n).startswith("torch_patches.")
@@ -316,6 +344,45 @@ class _Converter:
         return re.sub(r"\n{4,}", "\n\n\n", _splice(self.src.text, self.edits))
 
 
+def _needed(tree: ast.Module, drop: set[str]) -> set[str]:
+    """The names the module's code outside the ``drop`` classes uses, following top-level
+    definitions: what a file carrying only some classes still needs."""
+    defs: dict[str, ast.stmt] = {}
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in drop:
+            defs[n.name] = n
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if all(isinstance(t, ast.Name) for t in targets):
+                defs.update((t.id, n) for t in targets)  # type: ignore[attr-defined]
+    roots = [
+        n for n in tree.body
+        if not isinstance(n, (ast.Import, ast.ImportFrom))
+        and not (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in drop)
+        and n not in defs.values()
+        and not (isinstance(n, ast.Expr) and _instantiates(n, drop))
+    ]
+    roots += [
+        n for n in defs.values()
+        if isinstance(n, ast.ClassDef) and any(isinstance(s, ast.FunctionDef) and s.name.startswith("test") for s in n.body)
+    ]
+    needed: set[str] = set()
+    todo = list(roots)
+    while todo:
+        for sub in ast.walk(todo.pop()):
+            if isinstance(sub, ast.Name) and sub.id not in needed:
+                needed.add(sub.id)
+                if sub.id in defs:
+                    todo.append(defs[sub.id])
+    return needed
+
+
+def _binds(node: ast.Assign | ast.AnnAssign) -> set[str]:
+    """The names a top-level assignment binds (empty unless they are all plain names)."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return {t.id for t in targets} if all(isinstance(t, ast.Name) for t in targets) else set()  # type: ignore[attr-defined]
+
+
 def _splice(text: str, edits: Sequence[tuple[int, int, str]]) -> str:
     """``text`` with each byte span (start, end) replaced; an edit inside an earlier one (an
     import inside a removed class) is dropped with it."""
@@ -330,23 +397,31 @@ def _splice(text: str, edits: Sequence[tuple[int, int, str]]) -> str:
     return b"".join(out).decode()
 
 
-def _prune_imports(text: str, modules: set[str]) -> str:
-    """``text`` without the names its converted top-level imports (from ``modules``) bind
-    but nothing uses: a file that carries some of a test module's classes imports only what
-    they need, so it runs on the commit that completes them."""
+def _prune_imports(text: str, modules: set[str], every: bool = False) -> str:
+    """``text`` without the names its converted top-level imports (from ``modules``; with
+    ``every``, all its imports) bind but nothing uses: a file that carries some of a test
+    module's classes imports only what they need, so it runs on the commit that completes
+    them."""
     tree = ast.parse(text)
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     src = Source(text, "test")
     edits = []
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module in modules:
+        if every and isinstance(node, ast.Import):
+            keep_a = [a for a in node.names if (a.asname or a.name.partition(".")[0]) in used]
+            if len(keep_a) < len(node.names):
+                first, last = src.line_range_bytes(node.lineno, node.end_lineno)  # type: ignore[arg-type]
+                line = "import " + ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in keep_a)
+                edits.append((first, last, line + "\n" if keep_a else ""))
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__" and (every or node.module in modules):
             keep = [a for a in node.names if (a.asname or a.name) in used]
             if len(keep) == len(node.names):
                 continue
             names = [a.name + (f" as {a.asname}" if a.asname else "") for a in keep]
             first, last = src.line_range_bytes(node.lineno, node.end_lineno)  # type: ignore[arg-type]
             edits.append((first, last, _from_import(node.module, names, "") + "\n" if names else ""))
-    return _splice(text, edits)
+    text = _splice(text, edits)
+    return re.sub(r"\n\n\n+(?=(?:from|import) )", "\n\n", text) if every else text
 
 
 def _slow_tests(text: str) -> str:

@@ -99,22 +99,25 @@ def find_tests(repo_root: str, e: PatchExport) -> list[str]:
     return found
 
 
-def _module_doc(exporter: Exporter, patch_replacement: str) -> str:
-    module = patch_replacement.partition(":")[0]
+def _module_doc(exporter: Exporter, patch_replacement: str, own: bool = False) -> str:
+    """The docstring of ``patch_replacement``'s module (``own``: of the definition itself)."""
+    module, _, name = patch_replacement.partition(":")
     try:
         src = exporter.tp_source(module)
     except Exception:  # noqa: BLE001
         return ""
     import ast
 
-    doc = ast.get_docstring(src.tree) or ""
+    node = src.bindings[name].stmt if own and name in src.bindings else src.tree
+    doc = ast.get_docstring(node) or ""  # type: ignore[arg-type]
     return doc.strip()
 
 
 def _opening(exporter: Exporter, p: Any) -> list[str]:
-    """A commit message's title (the record's summary) and the replacement module's docstring."""
+    """A commit message's title (the record's summary) and the replacement module's
+    docstring (an effect's: its upstream form's)."""
     lines = [_KEEP + p.summary, ""]
-    doc = _module_doc(exporter, p.replacement)
+    doc = _module_doc(exporter, p.replacement, own=p.name in exporter.effects)
     if doc:
         lines += [_KEEP + line for line in doc.splitlines()] + [""]
     return lines
@@ -124,6 +127,8 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
     p = e.patch
     if p.name == API_COMMIT:
         return api_message(exporter, e, version)
+    if p.name in exporter.effects:
+        return effect_message(exporter, e, by_name, version)
     t_module, _, t_qual = p.target.partition(":")
     lines = _opening(exporter, p)
     how = "wraps" if p.wraps else "replaces"
@@ -163,6 +168,19 @@ def api_message(exporter: Exporter, e: PatchExport, version: str) -> str:
         lines.append("Adds: " + ", ".join(f"`{a}`" for a in e.added) + ".")
     check = "Every name of the package imports (test_each_commit_imports_alone imports it after this commit)."
     return _finish(exporter, e, lines, check, f"the public package `{e.patch.replacement.partition(':')[0]}`, against torch {version}")
+
+
+def effect_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchExport], version: str) -> str:
+    """The message of a registry effect's upstream commit: code run at a module's import."""
+    p = e.patch
+    lines = _opening(exporter, p)
+    lines.append(f"This runs when `{p.target.partition(':')[0]}` is imported.")
+    if e.added:
+        lines.append("Adds: " + ", ".join(f"`{a}`" for a in e.added) + ".")
+    if p.after:
+        lines += ["", "Builds on: " + "; ".join(f"{by_name[a].patch.summary}" for a in p.after if a in by_name)]
+    check = "The stack imports with it (test_each_commit_imports_alone)."
+    return _finish(exporter, e, lines, check, f"registry effect `{p.name}`, against torch {version}")
 
 
 def _finish(exporter: Exporter, e: PatchExport, lines: list[str], check: str, provenance: str) -> str:
@@ -209,9 +227,11 @@ def format_patch(e: PatchExport, total: int) -> str:
 # ----------------------------------------------------------------------- export
 
 
-def run_export(torch_root: str, patches: Sequence, repo_root: str | None = None) -> tuple[Exporter, list[PatchExport]]:
+def run_export(
+    torch_root: str, patches: Sequence, repo_root: str | None = None, effects: Sequence = ()
+) -> tuple[Exporter, list[PatchExport]]:
     exporter = Exporter(torch_root, repo_root)
-    results = exporter.export(patches)
+    results = exporter.export(patches, effects)
     exported = [r.patch.name for r in results if r.status == "exported"]
     if exported:
         results.append(exporter.export_api(HOOKS_PACKAGE_OURS, after=exported[-1:]))
@@ -286,8 +306,13 @@ def new_module_message(exporter: Exporter, e: PatchExport, user: PatchExport, ve
     if doc:
         lines += [_KEEP + line for line in doc.splitlines()] + [""]
     lines.append(f"New module `{rel}`, used from the commit \"{user.patch.summary}\" on.")
-    if e.added:
-        lines.append("Defines: " + ", ".join(f"`{a.partition(':')[2]}`" for a in e.added) + ".")
+    own = [a.partition(":")[2] for a in e.added if a.partition(":")[0] == e.module]
+    if own:
+        lines.append("Defines: " + ", ".join(f"`{a}`" for a in own) + ".")
+    elsewhere = [a.replace(":", ".") for a in e.added if a.partition(":")[0] != e.module]
+    if elsewhere:
+        lines.append("With what it uses of that commit's additions to upstream's modules: "
+                     + ", ".join(f"`{a}`" for a in elsewhere) + ".")
     check = f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)"
     return _finish(exporter, e, lines, check, f"module `{e.source}` for patch `{e.patch.name}`, against torch {version}")
 
@@ -351,12 +376,6 @@ REVIEWABLE_LINES = 500
 
 #: Why a commit is bigger than :data:`REVIEWABLE_LINES` (said in ``SUMMARY.md``).
 LARGE_REASONS = {
-    "add-hook_identity": (
-        "one walk of a hook's dependencies (code, closures, globals, modules, objects, "
-        "tensors, installed libraries) and the keys built from it: the walk's cases are "
-        "branches of one recursive function, and a commit with half of them would key a hook "
-        "by less than it reads"
-    ),
     "add-hook_tracing": (
         "tracing a hook (with the saved tensor's metadata, the lifted inputs, packed "
         "subclasses) and the hook contract checked while tracing (purity, aliasing, side "
@@ -426,11 +445,22 @@ EFFECTS = {
         "process would load it without its hooks)"
     ),
     "inductor.free_without_reuse": (
-        "the offload copy's source is freed at its last use and never handed to another buffer "
-        "while the side-stream copy reads it (test_offload, Inductor)"
+        "none until a lowering marks a buffer (the offload lowering's commit); a marked buffer is "
+        "freed at its last use and never handed to another buffer while a side-stream copy reads it"
     ),
     "inductor.no_inplace_reuse": (
-        "no in-place reuse of a buffer an async offload copy still reads (test_offload, Inductor)"
+        "none until a lowering marks a buffer; then no kernel writes in place into a buffer an "
+        "async copy still reads"
+    ),
+    "logging.torch_patches_artifact": (
+        '`TORCH_LOGS="saved_tensors_hooks"` is accepted; the artifact logs from the inliner\'s '
+        "commit on (one record line per saved tensor, the graphs after inlining)"
+    ),
+    "inductor.offload_lowering": (
+        "Inductor-compiled graphs with `cpu_offload()` free each offloaded buffer without reuse "
+        "(`test_inductor_frees_offloaded_buffers_without_reuse` reads the generated code); on an "
+        f"H200 the inlined `cpu_offload()` still peaks at the no-hooks peak, 1.19x step time ({_BENCH}, "
+        "GPU check: the copies run, the blocks outlive them)"
     ),
     API_COMMIT: (
         "`torch.utils.saved_tensors_hooks.bf16()` and the rest are importable from the package; "
@@ -478,6 +508,11 @@ RISKS = {
         "copy ends; only for buffers marked by the offload lowering"
     ),
     "inductor.no_inplace_reuse": "only for buffers marked by the offload lowering",
+    "logging.torch_patches_artifact": "one more artifact name; off by default",
+    "inductor.offload_lowering": (
+        "importing Inductor's lowerings imports the offload ops' module (it defines the op); a "
+        "buffer freed without reuse stays allocated until its copy ends"
+    ),
     API_COMMIT: "the package's names are public API from here on",
 }
 
@@ -489,7 +524,11 @@ def summary_text(results: Sequence[PatchExport], version: str) -> str:
         f"# Upstream export against torch {version}",
         "",
         f"{len(exported)} commits. New modules are commits of their own, before the commit that "
-        f"first uses them. Proposed homes: the hooks library at `{_names.HOOKS_HOME}`, "
+        "first uses them, each with what it reads of that commit's additions to upstream's files "
+        "(knobs, helpers). The patch set's global effects are code run at an upstream module's "
+        "import: "
+        + ", ".join(f"{r.number:02d}" for r in exported if r.patch.target.endswith(":<import>"))
+        + f". Proposed homes: the hooks library at `{_names.HOOKS_HOME}`, "
         f"knobs under `torch._functorch.config` (`config-map.json`), log artifact "
         f"`{_names.ARTIFACT}`.",
         "",
@@ -497,7 +536,8 @@ def summary_text(results: Sequence[PatchExport], version: str) -> str:
         "`tools/export_upstream/_tests.py`), carried by "
         + ", ".join(f"{r.number:02d}" for r in exported if r.upstream_tests)
         + ", each commit's run right after it on an overlay of torch with only the commits "
-        "before it applied (`test_each_commit_imports_alone`); test helpers under "
+        "before it applied (`python -m pytest test/test_export_upstream.py -m upstream_stack`); "
+        "test helpers under "
         "`torch/testing/_internal/` come with the first commit that needs them. Changed lines "
         "count library code only.",
         "",

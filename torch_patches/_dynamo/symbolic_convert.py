@@ -2,11 +2,11 @@
 
 Upstream counterpart: ``InstructionTranslator.__init__`` in ``torch/_dynamo/symbolic_convert.py``
 (the root translator of a frame).  After it is built, for the inlineable hooks active around
-the compiled call, every tensor the hooks read (``torch_patches._hook_identity.find_inputs``: closure
+the compiled call, every tensor the hooks read (``torch_patches._hook_inputs.find_inputs``: closure
 cells, globals, defaults, attributes...) is added as a graph input, the way Dynamo adds a
 global tensor the frame reads: its source calls a function installed in the frame's globals
 that follows the tensor's path from the hooks active *at that call* and returns an alias of it
-with a version counter of its own (``_hook_identity.current_input``).  Dynamo guards the
+with a version counter of its own (``_hook_inputs.current_input``).  Dynamo guards the
 input's metadata (``TENSOR_MATCH``), never its values or identity: updating the tensor in
 place, or rebinding the name to another tensor of the same metadata, recompiles nothing, and
 each call passes the tensor the hook would read then.  An unused ``aten.detach`` of it keeps
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_patches import _compile_facts, _hook_identity as hook_keys
+from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._errors import SavedTensorsHookWarning
 
@@ -82,7 +82,7 @@ def lift_inputs(
     constants: list[Any] = []
     node_of: dict[int, Any] = {}
     for role, fn in hooks:
-        found, refused = hook_keys.find_inputs(fn, role)
+        found, refused = hook_inputs.find_inputs(fn, role)
         for t in found:
             node = node_of.get(id(t.tensor))
             if node is None:
@@ -113,7 +113,7 @@ def lift_hook_inputs(tx: Any) -> None:
     def read_at(fn: Any, t: Any) -> tuple[Any, torch.Tensor]:
         # Run by the guards and the compiled frame at each call: never traced itself.
         fetch: Callable[[], Any] = torch._dynamo.disable(
-            functools.partial(hook_keys.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
+            functools.partial(hook_inputs.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
             reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
         )
         name = tx.output.install_global("__saved_tensors_hook_input", fetch)

@@ -124,7 +124,7 @@ class Traced:
     # pack only: how tensor-subclass outputs were flattened into out_args (None: none were)
     layout: "packed_subclasses.SubclassLayout | None" = None
     #: How many trailing placeholders stand for tensors the hook reads that are runtime
-    #: inputs of the graphs (``_hook_identity.find_inputs``), in the order they were given.
+    #: inputs of the graphs (``_hook_inputs.find_inputs``), in the order they were given.
     num_inputs: int = 0
 
 
@@ -153,7 +153,7 @@ def hook_error(
 
 
 def check_keyable(pair: HookPair) -> None:
-    """Raise if a dependency of the pair cannot be keyed (outcome (c) of ``_hook_identity``):
+    """Raise if a dependency of the pair cannot be keyed (outcome (c) of ``_hook_walk``):
     a graph with it baked in could be reused after it changed, so it is not inlined."""
     for role, fn in (("pack", pair.pack), ("unpack", pair.unpack)):
         reasons = hook_identity(fn).unkeyable
@@ -336,7 +336,7 @@ def _captured_tensors_as_constants(flat: list[Any]) -> Iterator[None]:
     itself, never a copy or its printed values, whatever its size. The fake mode has to
     accept them as inputs for that (it would otherwise refuse with an internal assertion
     that prints the tensor element by element). Whether a captured tensor may be reused is
-    the guard's business (``_hook_identity``: small CPU tensors by value, others by
+    the guard's business (``_hook_walk``: small CPU tensors by value, others by
     identity and version).
     """
     from torch._subclasses.fake_tensor import maybe_get_fake_mode
@@ -393,7 +393,7 @@ class _SideEffectProbe:
     """Records I/O a plain-function hook attempts while it is traced (files, processes,
     sockets), through a Python audit hook.
 
-    Prints are found before tracing, in the hook's code (``_hook_identity``: a hook that
+    Prints are found before tracing, in the hook's code (``_hook_walk``: a hook that
     reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
     The audit hook is a registry effect (``aot.side_effect_probe``), added once.  Audit hooks
     cannot be removed (PEP 578): ours records only in the thread that is tracing a hook, while

@@ -112,10 +112,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     solve,
 )
 
-# Internals the tests check on their own.
-from torch_patches._functorch._aot_autograd.activation_budget.cost_model import _flops, _node_ms  # noqa: F401
-from torch_patches._functorch._aot_autograd.activation_budget.recompute import _recomputable  # noqa: F401
-
 
 __all__ = [
     "KEEP",
