@@ -73,7 +73,6 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
             classes=("TestCostModel", "TestRecompute", "TestTimeline"),
         ),
     ],
-
     # Hooks traced into the graphs, placed at use, with the runtime deciding per graph: the
     # goldens, the numerics against eager hooks, identity, guards, inputs, in-region scopes.
     "aot.runtime_saved_tensors_hooks_context": [
@@ -299,9 +298,8 @@ class _Converter:
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in drop | self.needed | set(keep):
                     self._remove(node)
                     drop.add(node.name)
-                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and not _binds(node) & self.needed:
-                    if _binds(node):
-                        self._remove(node)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _binds(node) and not _binds(node) & self.needed:
+                    self._remove(node)
         for node in ast.walk(tree):
             if isinstance(node, ast.stmt) and node.lineno >= 2 and self.src.lines[node.lineno - 2].strip() == NOT_EXPORTED:
                 self.edits.append((*self.src.line_range_bytes(node.lineno - 1, node.end_lineno), ""))  # type: ignore[arg-type]
@@ -352,9 +350,7 @@ def _needed(tree: ast.Module, drop: set[str]) -> set[str]:
         if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in drop:
             defs[n.name] = n
         elif isinstance(n, (ast.Assign, ast.AnnAssign)):
-            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            if all(isinstance(t, ast.Name) for t in targets):
-                defs.update((t.id, n) for t in targets)  # type: ignore[attr-defined]
+            defs.update((name, n) for name in _binds(n))
     roots = [
         n for n in tree.body
         if not isinstance(n, (ast.Import, ast.ImportFrom))
