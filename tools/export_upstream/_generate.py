@@ -1031,9 +1031,14 @@ class _Job:
         self.queue.append((tp_module, name))
         if is_knob:
             self.knobs[name] = f"{dest}.{final}"
-        if dest in self.ex.new_modules and not self.state.texts.get(self.ex.new_modules[dest]):
+        if (
+            dest in self.ex.new_modules
+            and self.ex.new_module_sources.get(dest) == tp_module
+            and not self.state.texts.get(self.ex.new_modules[dest])
+        ):
             # A new module comes whole, as ours is (its own tests use all of it), in the
-            # commit that creates it.
+            # commit that creates it; a satellite of ours moved into it brings only what
+            # is used.
             for other, b in sorted(src.bindings.items(), key=lambda kv: kv[1].index):
                 if b.kind != "import" and not b.type_checking and (tp_module, other) not in self.state.placed:
                     self.place(tp_module, other)

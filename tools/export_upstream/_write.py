@@ -386,10 +386,10 @@ LARGE_REASONS = {
         "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
         "rewrite of the graph pair: any one alone leaves graphs that do not run"
     ),
-    "aot.inline_saved_tensors_hooks": (
-        "the inliner's driver (phases over the saved-tensor records) in place of upstream's "
-        "maybe_inline_graph_saved_tensors_hooks, with its knobs; every module it calls is a "
-        "commit before it, and a driver without one of its phases changes what is inlined"
+    "add-inline_phases": (
+        "the inliner's phases over the saved-tensor records (filter, select, alias, place), with "
+        "the knobs and the dtype policy they read: a phase left out changes which saved tensors "
+        "are hooked, so half of them is not a smaller inliner but a different one"
     ),
 }
 

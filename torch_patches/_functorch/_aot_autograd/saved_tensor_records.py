@@ -1,6 +1,6 @@
 """One record per saved tensor: the inliner's spine and its one output.
 
-The inliner (``graph_compile._inline``) makes one :class:`SavedTensorRecord` per tensor the
+The inliner (``inline_phases.inline``) makes one :class:`SavedTensorRecord` per tensor the
 partitioned forward saves for the backward, then runs its phases over the records, each a
 function that fills in its part:
 
@@ -9,10 +9,10 @@ phase          fills in                                        code
 =============  ==============================================  =========================
 collect        name, producer, scope, storage root, readers,   :func:`collect` (here)
                tolerance, backward span
-filter         decision ``unhooked`` by ``filter`` and why      ``graph_compile._filter``
-select         the hooks a ``select`` pair leaves it, or why    ``graph_compile._select``
+filter         decision ``unhooked`` by ``filter`` and why      ``inline_phases._filter``
+select         the hooks a ``select`` pair leaves it, or why    ``inline_phases._select``
 plan           a budget's option, or kept/recomputed and why    ``activation_budget.planner``
-place/rewrite  packed bytes, where pack and unpack went         ``graph_compile._inline``,
+place/rewrite  packed bytes, where pack and unpack went         ``inline_phases.inline``,
                                                                 ``graph_surgery``
 =============  ==============================================  =========================
 

@@ -1,6 +1,6 @@
 """Plan how each saved tensor is stored to fit an activation memory budget.
 
-Used by the inliner (``graph_compile._inline``) for saved tensors whose hooks are a
+Used by the inliner (``inline_phases.inline``) for saved tensors whose hooks are a
 :func:`torch_patches.hooks.budget` pair.  The partitioner has chosen what the graph saves
 (and what it recomputes: ``torch._functorch.config.activation_memory_budget`` runs first
 and this plan covers what it left saved); this module chooses, per saved tensor, one of

@@ -1,0 +1,458 @@
+"""The inliner's phases over one compilation's saved tensors, placed at use.
+
+``graph_compile.maybe_inline_graph_saved_tensors_hooks`` (the patched entry point) calls
+:func:`inline` with the partitioned forward and backward graphs.  Its spine is one record
+per saved tensor (``saved_tensor_records``); each phase is a function over the records:
+
+* filter: which saved tensors hooks may see (upstream's filtering mode, our dtype policy,
+  activations held by the caller);
+* select: what a ``select`` pair leaves each one, the numerics allowlist's verdict, the
+  budget's plan;
+* alias: views of one storage packed once;
+* place and rewrite: every hook traced before either graph is touched (``hook_tracing``),
+  then each pack put right after its saved tensor's last forward use and each unpack right
+  before its first backward use (``graph_surgery``), the hooks' lifted inputs mapped to the
+  forward's placeholders.
+
+The records are what the compilation reports (the debug log,
+``torch_patches.testing.saved_tensor_records()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
+from torch_patches._functorch._aot_autograd import (
+    activation_budget,
+    activation_inputs as act_inputs,
+    graph_surgery,
+    hook_tracing,
+    saved_numerics,
+    saved_tensor_records as records,
+    utils as hook_utils,
+)
+from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
+
+
+#: The inliner logs as the entry point it serves.
+UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
+
+
+def hooks_for_saved(
+    saved: fx.Node,
+    bw_input: fx.Node | None,
+    bw_order: dict[fx.Node, int],
+    ambient: HookPair | None,
+) -> HookPair | None:
+    """The hooks a saved tensor takes: those of the scope the op that saved it ran in.
+
+    In-graph scopes (``saved_tensors_hooks`` entered inside the compiled region) are
+    recorded on nodes by the Dynamo patch (see ``scope_of`` for the rule); a saved tensor
+    outside every in-graph scope takes the hooks active around the compiled call.
+    """
+    scope = _hook_scopes.scope_of(saved, bw_input, bw_order)
+    if scope is _hook_scopes.NO_SCOPE:
+        return ambient
+    return scope
+
+
+# ---------------------------------------------------------------------- selection
+
+
+def _filtered_by_mode(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    saved_tensors: list[fx.Node],
+    num_inner_fwd_outputs: int,
+    static_input_indices: list[int],
+) -> set[fx.Node] | None:
+    """Saved tensors upstream's filtering mode allows hooks on (None = all)."""
+    from torch._functorch._aot_autograd import graph_compile as gc, utils as aot_utils
+
+    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
+    if mode == "all":
+        return None
+    if mode == "no_static":
+        placeholders = fw_module.graph.find_nodes(op="placeholder")
+        static = {placeholders[i] for i in static_input_indices}
+        return {n for n in saved_tensors if n not in static}
+    if mode != "donated":
+        raise ValueError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
+    # Donated buffers: saved intermediates that alias no graph input or output, so
+    # packing them really frees their memory.
+    if aot_utils.contain_metadata_mutation_ops(
+        fw_module
+    ) or aot_utils.contain_metadata_mutation_ops(bw_module):
+        return set()
+
+    def vals(nodes: Any) -> list[Any]:
+        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+
+    fw_outs = fw_module.graph.output_node().args[0]
+    bw_outs = bw_module.graph.output_node().args[0]
+    idxs = gc.collect_fw_donated_buffer_idxs(
+        vals(fw_module.graph.find_nodes(op="placeholder")),
+        vals(fw_outs[:num_inner_fwd_outputs]),
+        vals(bw_outs),
+        vals(saved_tensors),
+    )
+    return {saved_tensors[i] for i in idxs}
+
+
+def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: set[fx.Node]) -> Any:
+    """The backward's gradient-dependent nodes, and which of its outputs are gradients of
+    inputs the caller keeps (parameters, leaves): AOTAutograd returns one gradient per
+    forward input, in order; when their numbers differ no position is trusted."""
+    placeholders = fw_module.graph.find_nodes(op="placeholder")
+    outs = bw_module.graph.output_node().args[0]
+    accumulated = frozenset(i for i, ph in enumerate(placeholders) if ph in held) if len(outs) == len(placeholders) else frozenset()
+    return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(bw_module.graph), accumulated)
+
+
+# ------------------------------------------------------------------------ phases
+# Each phase is a function over the records (saved_tensor_records.SavedTensorRecord).
+
+
+def _filter(
+    candidates: list[records.SavedTensorRecord],
+    allowed: set[fx.Node] | None,
+    inputs: dict[fx.Node, str | None],
+) -> None:
+    """Leave unhooked what the hooks may not see: upstream's filtering mode, our dtype
+    policy, and tensors the backward does not use."""
+    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
+    for r in candidates:
+        saved = r.node
+        if allowed is not None and saved not in allowed:
+            root = act_inputs.storage_root(saved)
+            if inputs.get(root) is not None:
+                why = f"{'is' if root is saved else 'aliases'} graph input {root.name}: {inputs[root]}"
+            else:
+                why = f"filtered by saved_tensors_hooks_filtering_mode={mode!r}"
+        elif not hook_utils.is_hookable_dtype(r.dtype):
+            why = f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
+        elif r.bw_input is None or not r.bw_input.users:
+            why = "unused by the backward"
+        else:
+            r.take(r.pair, "hooks")
+            continue
+        r.leave("filter", why)
+
+
+def _select(candidates: list[records.SavedTensorRecord]) -> None:
+    """Resolve ``select`` pairs: the hooks each tensor takes, or why none.
+
+    A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
+    tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
+    takes the pair's inner hooks (traced without the eager-mode branching), a rejected one
+    the pair's ``otherwise`` hooks (which may select in turn), or none.
+    """
+    for r in candidates:
+        if not r.hooked:
+            continue
+        pair, how = r.chosen, []
+        while (sel := pair.kind.selection) is not None:
+            try:
+                accepted = bool(sel.where(r.info()))
+            except Exception as e:  # noqa: BLE001 - the user's predicate
+                raise hook_tracing.hook_error(
+                    pair.pack,
+                    f"its where= predicate {hook_utils.hook_name(sel.where)} raised {type(e).__name__}: {e}",
+                    e,
+                    role="pack",
+                    pair=pair,
+                    saved=r.node,
+                ) from e
+            where = hook_utils.hook_name(sel.where)
+            if accepted:
+                how.append(f"accepted by where={where}")
+                pair = HookPair(sel.pack, sel.unpack, pair.label)
+            elif sel.otherwise is not None:
+                how.append(f"rejected by where={where}, otherwise")
+                pair = HookPair(sel.otherwise[0], sel.otherwise[1], pair.label)
+            else:
+                consumers = ", ".join(r.info().backward_consumers or ()) or "none"
+                numerics = f"tolerates {r.tolerance}" + (f": {r.tolerance_why}" if r.tolerance_why else "")
+                r.leave("select", f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
+                break
+        else:
+            if how:
+                r.take(pair, "select", "; ".join(how))
+
+
+def _drop_partially_hooked(
+    candidates: list[records.SavedTensorRecord], saved_tensors: list[fx.Node], inputs: dict[fx.Node, str | None]
+) -> None:
+    """``donated`` mode: leave unhooked what shares an activation input's storage with a
+    saved tensor left unhooked (packing it would not free the storage)."""
+    packed = [r.node for r in candidates if r.decision in (records.HOOKED, records.ALIAS)]
+    reasons = act_inputs.partially_hooked(saved_tensors, packed, inputs)
+    for r in candidates:
+        if r.node in reasons:
+            r.leave("filter", reasons[r.node])
+
+
+def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
+    """A hooked saved tensor that purely aliases (detach, alias) another hooked with the
+    same hooks is not packed again: the backward reads the root's unpacked tensor."""
+    aliases = graph_surgery.alias_roots({r.node: r.chosen for r in candidates if r.hooked})
+    for r in candidates:
+        if r.node in aliases:
+            r.decision, r.decided_by, r.alias_of = records.ALIAS, "alias", aliases[r.node].name
+
+
+def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
+    """The aliases that still share their root's packed form (alias -> root) once every
+    phase decided; an alias whose root is no longer hooked is packed on its own."""
+    by_name = {r.name: r for r in candidates}
+    out = {}
+    for r in candidates:
+        if r.decision != records.ALIAS:
+            continue
+        root = by_name[r.alias_of]
+        if root.hooked and root.chosen == r.chosen:
+            out[r.node] = root.node
+        else:
+            r.decision, r.alias_of = records.HOOKED, None
+    return out
+
+
+def inline(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_inner_fwd_outputs: int,
+    inner_meta: Any,
+    aot_config: Any,
+    static_input_indices: list[int],
+    ambient: HookPair | None,
+    held: set[fx.Node],
+) -> None:
+    fw_g, bw_g = fw_module.graph, bw_module.graph
+    fw_out = fw_g.output_node()
+    fw_outs = list(fw_out.args[0])
+    saved_all = fw_outs[num_inner_fwd_outputs:]
+    bw_inputs = {n.name: n for n in bw_g.find_nodes(op="placeholder")}
+
+    saved_tensors = [
+        n
+        for n in saved_all
+        if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
+    scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors]
+    if all(pair is None for _, pair in scoped):
+        return
+    facts = _backward_facts(fw_module, bw_module, held)
+    all_records = [
+        records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair)
+        for n, pair in scoped
+    ]
+    compiled = records.CompiledSavedTensors(all_records)
+    candidates = [r for r in all_records if r.pair is not None]
+    allowed = _filtered_by_mode(
+        fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
+    )
+    inputs = act_inputs.activation_inputs(
+        fw_module, inner_meta, static_input_indices, num_inner_fwd_outputs
+    )
+    if allowed is not None:  # "donated": also the activations packing frees (see module)
+        allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
+    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+
+    for pair in dict.fromkeys(r.pair for r in candidates):
+        hook_tracing.check_keyable(pair)
+
+    # Phase 1: decide and trace every hook. Nothing is modified until all of them traced.
+    _filter(candidates, allowed, inputs)
+    _select(candidates)
+    # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
+    # tensor in their scope takes the storage option its plan chose, or is kept.
+    _mark_aliases(candidates)
+    recomputed, compiled.plans = activation_budget.apply_plans(
+        candidates,
+        activation_budget.GraphFacts(fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, {r.node: r for r in candidates}),
+    )
+    if allowed is not None:
+        _drop_partially_hooked(candidates, saved_tensors, inputs)
+    aliases = _settle_aliases(candidates)
+    # Tensors the hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py for
+    # the ambient hooks, _dynamo/region_scopes.py for in-region scopes), by pair label.
+    lifted = _hook_inputs(fw_module, inner_meta, [r.chosen for r in candidates if r.hooked])
+    # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
+    # in every block, and tracing is most of the inliner's compile time.
+    traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
+    plans: list[graph_surgery.SavedPlan] = []
+    for r in candidates:
+        if not r.hooked:
+            continue
+        saved, pair, val = r.node, r.chosen, r.node.meta["val"]
+        key = hook_tracing.trace_key(pair, val)
+        if key in traces:
+            pack, unpack = traces[key]
+        else:
+            context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
+            pack, unpack = hook_tracing.trace_pair(
+                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=lifted.get(pair.label, ((), ()))[0]
+            )
+            if not context.read:  # the traces do not depend on which saved tensor this is
+                traces[key] = (pack, unpack)
+        if pack.layout is not None:
+            r.reason = f"packed as {pack.layout.describe()}, flattened between the graphs"
+        r.packed_bytes = _device_bytes(pack.out_vals, val.device)
+        out = unpack.out_vals
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]
+        restride = hook_tracing.check_unpacked(out, val, pair, saved)
+        plans.append(graph_surgery.SavedPlan(
+            saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]
+        ))
+    if not plans and not recomputed:
+        records.log_records(compiled, artifact)
+        records.publish(compiled)
+        return
+
+    # Phase 2: rewrite the graphs.
+    placement = config.hook_placement
+    if placement not in ("use", "boundary"):
+        raise ValueError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
+    structured: list[str] = []
+    _log_graphs(fw_module, bw_module, aot_config, "pre", structured)
+    graph_surgery.merge_aliases(fw_module, bw_inputs, num_inner_fwd_outputs, aliases)
+    fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
+    bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
+    packed_leaves: dict[fx.Node, list[Any]] = {}
+    fw_tail: dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
+    for plan in plans:
+        packed_leaves[plan.saved] = graph_surgery.insert_pack(
+            plan, fw_module, bw_g, fw_order, placement, fw_tail
+        )
+    bw_input_of: dict[fx.Node, fx.Node] = {}
+    lifted_fw = tuple(dict.fromkeys(n for p in plans for n in p.fw_inputs))
+    lifted_bw = _backward_inputs(bw_g, lifted_fw) if any(p.unpack.num_inputs for p in plans) else ()
+    for plan in plans:
+        plan.bw_inputs = tuple(lifted_bw[lifted_fw.index(n)] for n in plan.fw_inputs)
+        bw_input_of |= graph_surgery.insert_unpack(
+            plan,
+            bw_module,
+            fw_g,
+            bw_inputs[plan.saved.name],
+            packed_leaves[plan.saved],
+            bw_order,
+            placement,
+        )
+    extra_inputs: dict[fx.Node, fx.Node] = {}
+    for r in candidates:
+        if r.node in recomputed:
+            recipe = recomputed[r.node]
+            packed_leaves[r.node] = graph_surgery.insert_recompute(
+                r.node, recipe.nodes, recipe.frontier, r.pair.label, bw_module, bw_inputs, bw_order, extra_inputs
+            )
+    bw_input_of |= extra_inputs
+    read_back = []  # hook inputs the backward reads (unpack): saved for it
+    for fw_node, bw_node in zip(lifted_fw, lifted_bw):
+        if bw_node.users:
+            bw_input_of[fw_node] = bw_node
+            read_back.append(fw_node)
+        else:
+            bw_g.erase_node(bw_node)
+    graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of, read_back)
+    graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
+    fw_g.lint()
+    bw_g.lint()
+    fw_module.recompile()
+    bw_module.recompile()
+    _log_graphs(fw_module, bw_module, aot_config, "post", structured)
+    records.log_records(compiled, artifact)
+    records.publish(compiled)
+    if artifact.isEnabledFor(logging.DEBUG):
+        artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
+        artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+
+
+def _hook_inputs(
+    fw_module: fx.GraphModule, inner_meta: Any, pairs: list[HookPair]
+) -> dict[str, tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]]:
+    """For each of ``pairs`` (by label) whose hooks read tensors Dynamo made graph inputs
+    (``CompileFacts.hook_inputs``): those tensors, and the forward's placeholder for each.
+
+    Dynamo's graph inputs are the forward's, one to one, when AOTAutograd's input
+    descriptors number the placeholders; where they do not (tensor-subclass inputs, effect
+    tokens) no input can be matched, and the hooks fall back to eager hooks rather than
+    compute with the value seen while compiling."""
+    found = _compile_facts.facts()
+    by_label = {p.label: p for p in pairs}
+    lifted = [e for e in (found.hook_inputs if found is not None else ()) if e[0] in by_label]
+    if not lifted:
+        return {}
+    placeholders, infos = act_inputs.described_placeholders(fw_module, inner_meta)
+    out: dict[str, tuple[tuple[torch.Tensor, ...], tuple[fx.Node, ...]]] = {}
+    for label, t, dynamo_node in lifted:
+        pair = by_label[label]
+        dynamo_inputs = dynamo_node.graph.find_nodes(op="placeholder")
+        if dynamo_node not in dynamo_inputs or not len(dynamo_inputs) == len(placeholders) == len(infos):
+            raise hook_tracing.hook_error(
+                pair.pack if t.role == "pack" else pair.unpack,
+                f"{t.describe()} (a tensor it reads) cannot be matched to the forward graph's "
+                f"inputs ({len(placeholders)} placeholders for {len(dynamo_inputs)} Dynamo inputs)",
+                role=t.role,
+                pair=pair,
+                saved=None,
+            )
+        tensors, nodes = out.get(label, ((), ()))
+        node = placeholders[dynamo_inputs.index(dynamo_node)]
+        if node not in nodes:
+            out[label] = ((*tensors, t.tensor), (*nodes, node))
+    return out
+
+
+def _backward_inputs(bw_g: fx.Graph, fw_nodes: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """A backward input for each hook input the forward saves for it (same name)."""
+    first = next(n for n in bw_g.nodes if n.op != "placeholder")
+    out = []
+    with bw_g.inserting_before(first):
+        for fw_node in fw_nodes:
+            node = bw_g.placeholder(fw_node.name)
+            node.meta = {k: v for k, v in fw_node.meta.items() if k in ("val", "tensor_meta")}
+            out.append(node)
+    return tuple(out)
+
+
+def _device_bytes(packed: Any, device: torch.device) -> int:
+    """Bytes of the packed form's tensors on ``device`` (an offloaded copy holds none)."""
+    total = 0
+    for leaf in pytree.tree_leaves(packed):
+        if isinstance(leaf, torch.Tensor) and leaf.device == device:
+            total += hook_utils.size_hint(leaf.numel()) * leaf.element_size()
+    return total
+
+
+def _log_graphs(
+    fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config: Any, when: str, out: list[str]
+) -> None:
+    """Upstream's logs of the graphs before (``when="pre"``) and after inlining.
+
+    As upstream's inliner: ``aot_graphs`` log lines and, after inlining, one structured-trace
+    artifact ``aot_saved_tensors_hooks_graphs`` (tlparse) holding the four graphs. Upstream's
+    ``maybe_log_graph`` decides (``aot_config.enable_log``) and formats.
+    """
+    from torch._functorch._aot_autograd import graph_compile as gc
+
+    log_graph = getattr(gc, "maybe_log_graph", None)
+    if log_graph is None or aot_config is None or not getattr(aot_config, "enable_log", False):
+        return
+    label = "pre saved_tensors_hooks inlining" if when == "pre" else "after saved_tensors_hooks inlining"
+    for gm, which in ((fw_module, "forward"), (bw_module, "backward")):
+        prefix = f"aot_{which}_graph_{when}_saved_tensors_hooks"
+        log_graph(gm, f"{which.capitalize()} graph {label}", aot_config, lambda p=prefix: p, out)
+    if when != "pre":
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "aot_saved_tensors_hooks_graphs", "encoding": "string"},
+            payload_fn=lambda: "\n".join(out),
+        )
