@@ -233,6 +233,11 @@ def inline(
     ambient: HookPair | None,
     held: set[fx.Node],
 ) -> None:
+    """Run the phases over the graph pair's saved tensors and rewrite both graphs; publish
+    the records.  ``ambient``: the pair active around the compiled call (None: only in-graph
+    scopes); ``held``: forward inputs the caller keeps alive (``activation_inputs``).  Every
+    hook is traced before either graph changes: a :class:`SavedTensorsHookError` leaves them
+    as they were (the driver decides whether to fall back)."""
     fw_g, bw_g = fw_module.graph, bw_module.graph
     fw_out = fw_g.output_node()
     fw_outs = list(fw_out.args[0])
