@@ -123,6 +123,11 @@ def _tp_root() -> str:
     return os.path.dirname(list(spec.submodule_search_locations)[0])
 
 
+def rel_module(rel: str) -> str:
+    """The dotted module of a source file's path (``torch/x/__init__.py`` -> ``torch.x``)."""
+    return rel[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+
+
 def is_test_file(rel: str) -> bool:
     """An upstream test file or test helper (not library code)."""
     return rel.startswith(("test/", "torch/testing/_internal/"))
@@ -599,6 +604,7 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
             # What the module uses of the patch's additions to existing files comes with it.
             assert r.stage is not None
             needs = frozenset(module_of[c] for c in created[: k + 1])
+            defined: set[str] = set()  # "module:name" the commit's changes to existing files bind
             for other in rest:
                 text = r.stage(other, needs)
                 if text != current[other]:
@@ -606,7 +612,9 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
                     add.diff += unified_diff(other, current[other], text)
                     add.before[other], add.after[other] = current[other], text
                     current[other] = text
-            moved = [a for a in r.added if a not in taken and _added_in(a, add, exporter)]
+                    home = rel_module(other)
+                    defined.update(f"{home}:{n}" for n in Source(text, home).bindings)
+            moved = [a for a in r.added if a not in taken and re.sub(r"(:[^.]*)\..*", r"\1", a) in defined]  # m:Class.f -> m:Class
             add.added += [a for a in moved if a not in add.added]
             taken.update(moved)
             out.append(add)
@@ -648,13 +656,6 @@ def _dependencies_first(
         out.append(ready)
         todo.remove(ready)
     return out
-
-
-def _added_in(added: str, commit: PatchExport, exporter: Exporter) -> bool:
-    """Whether ``added`` ("module:name") is defined in an existing file ``commit`` changes."""
-    module, _, name = added.partition(":")
-    rel = exporter.upstream_rel(module)
-    return rel in commit.after and commit.before.get(rel) and name.split(".")[0] in Source(commit.after[rel], module).bindings
 
 
 def _not_exported(src: Source, node: ast.stmt) -> list[tuple[int, int]]:

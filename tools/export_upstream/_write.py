@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tools.export_upstream import _names, _tests
-from tools.export_upstream._generate import API_COMMIT, TP, Exporter, PatchExport, split_new_modules, unified_diff
+from tools.export_upstream._generate import API_COMMIT, TP, Exporter, PatchExport, rel_module, split_new_modules, unified_diff
 
 #: Our public package, whose upstream home gets its API in the last commit.
 HOOKS_PACKAGE_OURS = TP + ".hooks"
@@ -727,7 +727,7 @@ def import_each_commit(
         if i < start:
             continue
         modules = [
-            rel[: -len(".py")].removesuffix("/__init__").replace("/", ".") for rel in r.files if rel.startswith("torch/")
+            rel_module(rel) for rel in r.files if rel.startswith("torch/")
         ]
         # torch._dynamo first, as torch.compile imports it (some of torch's own modules do
         # not import alone, e.g. runtime_wrappers).
