@@ -8,10 +8,18 @@
   one-way, through the bottom modules (``_hook_kinds``, ``_numerics``, ``config``).
 * Imports sit at the top of each module (no import after code at module level).
 * The budget wing and the bench keep each module under 600 lines.
+* What the base install runs (``import torch_patches``, ``apply()``, the command line and
+  every module it imports) imports no package that only an extra of setup.py provides.
+* No binary archive (wheel, tarball, zip...) is tracked.
 """
 
 import ast
+import importlib.metadata
 import os
+import re
+import subprocess
+import sys
+import textwrap
 
 from torch._dynamo.test_case import run_tests
 
@@ -102,7 +110,76 @@ def _loops(edges):
     return found
 
 
+def _requirement_names(requirements):
+    return {re.match(r"[A-Za-z0-9_.\-]+", r).group(0).lower().replace("_", "-") for r in requirements}
+
+
+def extras_only_modules():
+    """Top-level modules of the packages setup.py's extras add to the base install."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        call = next(n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in call.keywords}
+    base = _requirement_names(ast.literal_eval(kw["install_requires"]))
+    extras = set().union(*(_requirement_names(v) for v in ast.literal_eval(kw["extras_require"]).values()))
+    provides = {}
+    for module, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            provides.setdefault(dist.lower().replace("_", "-"), set()).add(module)
+    return sorted(
+        m for dist in extras - base for m in provides.get(dist, {dist.replace("-", "_")}) if not m.startswith("_")
+    )
+
+
+def cli_imports():
+    """Modules of ours that the command line imports anywhere in torch_patches/__main__.py."""
+    with open(os.path.join(ROOT, "torch_patches", "__main__.py")) as f:
+        tree = ast.parse(f.read())
+    found = {"torch_patches.__main__", "torch_patches.bench"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch_patches"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("torch_patches"))
+    return sorted(found)
+
+
+#: Tracked files that are binary archives or build products.
+BINARY = re.compile(r"\.(whl|egg|tar|tgz|gz|bz2|xz|zip|so|pyd|dll|dylib|pyc|pt|pth|bin|safetensors)$")
+
+
 class TestLayout(TestCase):
+    def test_base_install_needs_no_extra(self):
+        # A fresh process where every package only an extra provides cannot be imported:
+        # what a newcomer has after `pip install torch_patches` (README's "Try it").
+        blocked = extras_only_modules()
+        self.assertIn("expecttest", blocked)
+        script = textwrap.dedent(f"""
+            import importlib, sys
+
+            # Absent, as import and importlib.util.find_spec see it (torch probes with both).
+            sys.modules.update(dict.fromkeys({blocked!r}))
+            import torch_patches
+            torch_patches.apply()
+            for module in {cli_imports()!r}:
+                importlib.import_module(module)
+            from torch_patches.__main__ import main
+            assert main(["status"]) == 0
+            for argv in (["demo", "--help"], ["bench", "--help"], ["bench", "--overhead", "--help"]):
+                try:
+                    main(argv)
+                except SystemExit as e:
+                    assert e.code == 0, (argv, e.code)
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+
+    def test_no_binary_archive_is_tracked(self):
+        tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
+        if tracked.returncode != 0:
+            self.skipTest("not a git checkout")
+        self.assertEqual([f for f in tracked.stdout.splitlines() if BINARY.search(f)], [])
+
+
     def test_no_import_loops(self):
         loops = [sorted(c) for c in _loops(_imports(_modules())) if c not in ALLOWED_LOOPS]
         self.assertEqual(loops, [])

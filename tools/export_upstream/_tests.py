@@ -113,6 +113,9 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
 #: Our test helpers -> their upstream form (added with the first test that needs them).
 HELPERS = {
     "torch_patches._testing": ("torch_patches/_testing.py", "torch/testing/_internal/common_saved_tensors_hooks.py"),
+    "torch_patches._recorded_graphs": (
+        "torch_patches/_recorded_graphs.py", "torch/testing/_internal/saved_tensors_hooks_graphs.py"
+    ),
     "common_hooks": ("test/common_hooks.py", "torch/testing/_internal/saved_tensors_hooks_fixtures.py"),
 }
 #: Our testing module: its ``TestCase`` applies the patch set; the rest is ``_testing``'s.
