@@ -11,6 +11,9 @@
 * ``Case`` with a budget: JSON round trip (old JSON without the field still loads), labels,
   the rows ``--budget`` adds, the table's budget columns; the inliner's decisions
   (``recording_decisions``: budget plans and bytes a select predicate left unhooked) summed.
+* ``bench --overhead``: rows interleaved over rounds and their ratios against the named
+  reference row (in this process, its worker stubbed); end to end at tiny sizes (``slow``):
+  every shape's rows measured in fresh processes, guard times for our rows.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 import pytest
 import torch
 
-from torch_patches.bench import _fractions
+from torch_patches.bench import _fractions, overhead
 from torch_patches.bench._decisions import recording_decisions
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import _recording_pack, block_working_set, saved_bytes, tensor_bytes
@@ -286,6 +290,52 @@ class TestBudgetRows(TestCase):
         self.assertEqual(stock[-3:], ["12.00", "-", "-"])
         self.assertEqual(err[2:6], ["budget", "0.7", "budget", "ERROR"])
 
+
+
+class TestOverheadBench(TestCase):
+    def test_rounds_interleaved_and_ratios(self) -> None:
+        order = []
+
+        def worker(shape, mode, args):
+            order.append((shape, mode))
+            ms = {"stock": 1.0, "stock-pair": 2.0, "ours": 1.1, "ours-bf16": 2.2}[mode] * (1 + 0.1 * (len(order) % 3))
+            return {"shape": shape, "mode": mode, "step_ms": ms, **({"guard_us": 3.0} if mode.startswith("ours") else {})}
+
+        modes = ["stock", "stock-pair", "ours", "ours-bf16"]
+        with mock.patch.object(overhead, "_run_worker", worker):
+            rows = overhead.run(["per-block"], modes, {}, rounds=3)
+        self.assertEqual(order, [("per-block", m) for m in modes] * 3)  # round by round
+        by_mode = {r["mode"]: r for r in rows}
+        self.assertEqual(len(by_mode["ours"]["rounds_ms"]), 3)
+        self.assertAlmostEqual(by_mode["ours"]["ratio"], by_mode["ours"]["step_ms"] / by_mode["stock"]["step_ms"])
+        self.assertEqual(by_mode["ours-bf16"]["against"], "stock-pair")
+        self.assertNotIn("ratio", by_mode["stock-pair"])
+        self.assertIn("1.", overhead.format_rows(rows))
+
+    @pytest.mark.slow
+    def test_every_shape_end_to_end(self) -> None:
+        with tempfile.TemporaryDirectory() as out:
+            path = os.path.join(out, "overhead.json")
+            shapes = "per-block,graph-breaks,llama" if _has("transformers") else "per-block,graph-breaks"
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch_patches", "bench", "--overhead", "--shapes", shapes,
+                 "--modes", "stock,ours-bf16,ours-scaled", "--blocks", "2", "--steps", "3", "--rounds", "1",
+                 "--json", path],
+                capture_output=True, text=True, timeout=1200,
+            )
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+        self.assertEqual(len(rows), 3 * len(shapes.split(",")))
+        for row in rows:
+            self.assertTrue(math.isfinite(row["step_ms"]) and row["step_ms"] > 0, row)
+            self.assertEqual("guard_us" in row, row["mode"].startswith("ours"), row)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 if __name__ == "__main__":
     unittest.main()

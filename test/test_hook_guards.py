@@ -6,11 +6,17 @@ captured values: recreated identical hooks never recompile, a changed hook recom
 is the one used.
 """
 
+import contextlib
+import types
+from unittest import mock
+
 import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import identity_deps as deps
+from torch_patches import _hook_identity, config as tp_config, hooks as tp_hooks
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
@@ -78,7 +84,210 @@ class TestHookGuards(TestCase):
         self.assertEqual(counter.frame_count, 2)
 
 
+# What the hooks of TestGuardIsALookup read, each changed by one test.
+SCALE = 2.0
+SCALE_T = torch.tensor([2.0])
+NS = types.SimpleNamespace(scale=2.0)
+
+
+def _global_unpack(t):
+    return t / 2 * SCALE
+
+
+def _tensor_unpack(t):
+    return t / 2 * SCALE_T.sum()
+
+
+def _namespace_unpack(t):
+    return t / 2 * NS.scale
+
+
+def _closure_pair():
+    cell = 2.0
+
+    def unpack(t):
+        return t / 2 * cell
+
+    def set_cell(v):
+        nonlocal cell
+        cell = v
+
+    return unpack, set_cell
+
+
+def _block_1(x):
+    return x.sin().exp().cos()
+
+
+def _block_2(x):
+    return x.sin().exp().cos()
+
+
+def _block_3(x):
+    return x.sin().exp().cos()
+
+
+@contextlib.contextmanager
+def counting_walks():
+    """How many times hook identities were walked (not looked up) inside the block."""
+    walks = []
+    original = _hook_identity._walk
+
+    def counted(fn, lift):
+        walks.append(fn)
+        return original(fn, lift)
+
+    with mock.patch.object(_hook_identity, "_walk", counted):
+        yield walks
+
+
+class TestGuardIsALookup(TestCase):
+    """The hooks' guard runs at every compiled call: it walks a hook once per hook object and
+    afterwards only checks what the walk read (``_hook_watch``), so unchanged hooks cost a
+    lookup, and each change below is seen by a cheap check: one recompile, the new value."""
+
+    def blocks(self):
+        counter = CompileCounterWithBackend("aot_eager")
+        return counter, [torch.compile(f, backend=counter) for f in (_block_1, _block_2, _block_3)]
+
+    def steps(self, blocks, hooks, device, n=4):
+        grads = []
+        for _ in range(n):
+            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+                h = x
+                for block in blocks:
+                    h = block(h)
+            h.sum().backward()
+            grads.append(x.grad)
+        return grads
+
+    def reference(self, hooks, device):
+        torch._dynamo.reset()
+        return self.steps(self.blocks()[1], hooks, device, n=1)[0]
+
+    def check(self, device, unpack, change):
+        hooks = inlineable(deps.pack, unpack)
+        counter, blocks = self.blocks()
+        self.steps(blocks, hooks, device, n=1)
+        self.assertEqual(counter.frame_count, 3)
+        with counting_walks() as walks:
+            self.steps(blocks, hooks, device)
+        self.assertEqual(walks, [], "unchanged hooks were walked again")
+        change()
+        with counting_walks() as walks:
+            grads = self.steps(blocks, hooks, device)
+        self.assertEqual(counter.frame_count, 6, "a change must recompile each block once")
+        self.assertGreater(len(walks), 0)
+        self.assertLessEqual(len(walks), 6 * 2, "re-walked more than once per compile and check")
+        self.assertEqual(grads[-1], self.reference(hooks, device), atol=0, rtol=0)
+        return grads
+
+    def test_global_rebound(self, device):
+        self.addCleanup(globals().__setitem__, "SCALE", SCALE)
+
+        def change():
+            global SCALE
+            SCALE = 3.0
+
+        self.check(device, _global_unpack, change)
+
+    def test_module_attribute_changed(self, device):
+        import identity_cfg
+
+        old = identity_cfg.SCALE
+        self.addCleanup(setattr, identity_cfg, "SCALE", old)
+        self.check(device, deps._module_attr_unpack, lambda: setattr(identity_cfg, "SCALE", old + 1.5))
+
+    def test_closure_cell_reassigned(self, device):
+        unpack, set_cell = _closure_pair()
+        self.check(device, unpack, lambda: set_cell(3.0))
+
+    def test_object_attribute_set(self, device):
+        self.addCleanup(setattr, NS, "scale", NS.scale)
+        self.check(device, _namespace_unpack, lambda: setattr(NS, "scale", 3.0))
+
+    def test_function_code_and_defaults_assigned(self, device):
+        def unpack(t, s=2.0):
+            return t / 2 * s
+
+        def other(t, s=2.0):
+            return t / 2 * s * s
+
+        self.check(device, unpack, lambda: setattr(unpack, "__defaults__", (3.0,)))
+        torch._dynamo.reset()
+        self.check(device, unpack, lambda: setattr(unpack, "__code__", other.__code__))
+
+    def test_tensor_swapped_for_other_metadata(self, device):
+        self.addCleanup(globals().__setitem__, "SCALE_T", SCALE_T)
+
+        def change():
+            global SCALE_T
+            SCALE_T = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+        self.check(device, _tensor_unpack, change)
+
+    def test_tensor_updated_in_place_is_an_input(self, device):
+        # A tensor the ambient hooks read is a graph input: new values, no recompile, no walk.
+        hooks = inlineable(deps.pack, _tensor_unpack)
+        counter, blocks = self.blocks()
+        self.steps(blocks, hooks, device, n=1)
+        self.addCleanup(SCALE_T.fill_, float(SCALE_T.item()))
+        with counting_walks() as walks:
+            SCALE_T.fill_(5.0)
+            grads = self.steps(blocks, hooks, device, n=2)
+        self.assertEqual((counter.frame_count, walks), (3, []))
+        self.assertEqual(grads[-1], self.reference(hooks, device), atol=0, rtol=0)
+
+    def test_config_container_mutated_in_place(self, device):
+        hooks = tp_hooks.bf16()
+        counter, blocks = self.blocks()
+        with tp_config.patch(numerics_allowlist={}):
+            self.steps(blocks, hooks, device, n=2)
+            tp_config.numerics_allowlist["aten.sin.default"] = {"self": "proportional"}
+            self.steps(blocks, hooks, device, n=2)
+        self.assertEqual(counter.frame_count, 6)
+
+    def test_keys_see_tensor_values_and_versions(self, device):
+        # Keys that are not guards of lifted inputs (the compile-cache key, lift=False) hold
+        # small CPU tensors by value and others by identity and version: their watches.
+        small, big = torch.ones(3), torch.ones(5000, device=device)
+
+        def unpack(t):
+            return t / 2 * small.sum() * big[0]
+
+        keys = [_hook_identity.hook_identity(unpack).key]
+        small.data.mul_(2)  # new values, no version bump
+        keys.append(_hook_identity.hook_identity(unpack).key)
+        big.add_(1)  # a version bump
+        keys.append(_hook_identity.hook_identity(unpack).key)
+        big.data = torch.ones(5000, device=device, dtype=torch.float64)  # other metadata
+        keys.append(_hook_identity.hook_identity(unpack).key)
+        self.assertEqual(len(set(map(repr, keys))), 4)
+        self.assertEqual(keys[-1], _hook_identity._walk(unpack, False)[0].key)
+
+    def test_recreated_hooks_walk_once_per_object_not_per_call(self, device):
+        counter, blocks = self.blocks()
+        self.steps(blocks, tp_hooks.bf16(), device, n=1)
+        with counting_walks() as walks:
+            for _ in range(4):
+                self.steps(blocks, tp_hooks.bf16(), device, n=1)
+        self.assertEqual(counter.frame_count, 3)
+        self.assertEqual(len(walks), 4 * 2)  # a new pack and unpack per step, 3 blocks each
+
+    def test_no_hooks_and_global_budget_walk_nothing_per_call(self, device):
+        for budget in (None, 0.5):
+            with self.subTest(budget=budget), tp_config.patch(activation_memory_budget=budget):
+                torch._dynamo.reset()
+                counter, blocks = self.blocks()
+                self.steps(blocks, (), device, n=1)
+                with counting_walks() as walks:
+                    self.steps(blocks, (), device)
+                self.assertEqual((counter.frame_count, walks), (3, []))
+
+
 instantiate_device_type_tests(TestHookGuards, globals())
+instantiate_device_type_tests(TestGuardIsALookup, globals())
 
 
 if __name__ == "__main__":

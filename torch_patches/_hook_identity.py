@@ -10,6 +10,7 @@ content check Dynamo installs for the hooks active around a compiled call
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch_patches import config
 from torch_patches._hook_kinds import is_inlineable_hook, pair_is_inlineable
 from torch_patches._hook_inputs import find_inputs
+from torch_patches._hook_watch import Watches
 from torch_patches._hook_walk import _TENSOR_VALUE_NUMEL, HookIdentity, _Walker, digest, own_source_digest
 
 
@@ -32,12 +34,70 @@ _attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
 Lift = bool | frozenset[tuple["Step", ...]]
 
 
+class _Known:
+    """A hook's identity with what re-checks it (``_hook_watch.Watches``)."""
+
+    __slots__ = ("ref", "identity", "watches")
+
+    def __init__(self, ref: weakref.ref[Any], identity: HookIdentity, watches: Any) -> None:
+        self.ref, self.identity, self.watches = ref, identity, watches
+
+    def walked(self, fn: Any) -> bool:
+        """Whether this is ``fn``'s identity: walked from ``fn`` itself, or from a bound
+        method of the same object and function (methods equal by identity of both)."""
+        return self.ref() is fn or type(fn) is types.MethodType
+
+
+#: The identity of each hook object walked, per ``lift``, while the object lives: the walk
+#: runs once per hook object and again only after a watch failed.  Keyed by a weak
+#: reference to the hook (equal while the hook lives, dropped with it); not by ``id()``,
+#: whose every call is an audited event (a call of each audit hook of the process).
+_known: dict[weakref.ref[Any], dict[Lift, _Known]] = {}
+
+
 def hook_identity(fn: Any, lift: Lift = False) -> HookIdentity:
-    """Walk ``fn`` (see the module docstring). Never raises for ordinary Python values.
+    """The identity of ``fn`` (see the module docstring). Never raises for ordinary Python
+    values.
 
     ``lift``: the tensors ``fn`` reads that are runtime inputs of the graphs
     (``find_inputs``; see :data:`Lift`): keyed by their metadata, not their values or
-    identity."""
+    identity.
+
+    This runs at every compiled call (the frames' guards): the walk runs once per hook
+    object, and afterwards only its watches are checked (dict versions, identities,
+    tensor versions: ``_hook_watch``); a hook whose watches fail is walked again."""
+    try:
+        ref = weakref.ref(fn)
+        per_lift = _known.get(ref)
+    except TypeError:  # not weakly referenceable or not hashable: walked at every request
+        return _walk(fn, lift)[0]
+    known = per_lift.get(lift) if per_lift is not None else None
+    if known is not None and known.walked(fn) and known.watches.holds():
+        return known.identity
+    identity, walker = _walk(fn, lift)
+    if walker is None or (walker.reentered and not _immortal(fn)):
+        return identity
+    if per_lift is None:
+        per_lift = _known.setdefault(weakref.ref(fn, _forget), {})  # dropped with the hook
+    # (A hook equal to a known one but another object, a user class's __eq__, takes over
+    # the entry: one identity per key at a time.)
+    per_lift[lift] = _Known(ref, identity, walker.watches)
+    return identity
+
+
+def _forget(ref: weakref.ref[Any]) -> None:
+    _known.pop(ref, None)
+
+
+def _immortal(fn: Any) -> bool:
+    """A module-level function (its module holds it: keeping its identity leaks nothing).
+    A hook the walk reached again from itself is otherwise not kept: the watches hold what
+    it reaches, and so would hold the hook alive."""
+    return isinstance(fn, types.FunctionType) and fn.__globals__.get(fn.__name__) is fn
+
+
+def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
+    """The walk itself, with the walker whose watches re-check it (None: not cacheable)."""
     hint = _attr_hints.get(id(fn))
     attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
     lifted = frozenset(
@@ -52,7 +112,7 @@ def hook_identity(fn: Any, lift: Lift = False) -> HookIdentity:
             return HookIdentity(
                 key=("unwalkable", type(e).__name__),
                 unkeyable=(f"reading what it depends on raised {type(e).__name__}: {e}",),
-            )
+            ), None
         if walker.names <= attrs:
             break
         attrs = attrs | walker.names  # a module may hold attributes later code names
@@ -66,7 +126,7 @@ def hook_identity(fn: Any, lift: Lift = False) -> HookIdentity:
         local=tuple(dict.fromkeys(walker.local)),
         unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
         pins=pins,
-    )
+    ), walker
 
 
 def _value_keyed(t: torch.Tensor) -> bool:
@@ -74,8 +134,39 @@ def _value_keyed(t: torch.Tensor) -> bool:
 
 
 def config_key() -> Any:
-    """Every ``torch_patches.config`` knob, as upstream's ``save_config`` would snapshot it."""
-    return tuple(sorted((k, repr(v)) for k, v in config.get_config_copy().items()))
+    """Every ``torch_patches.config`` knob, as upstream's ``save_config`` would snapshot it.
+
+    Asked at every compiled call (the guards), so it is remembered with what vouches for
+    it: the config module's own hash object (``get_hash`` makes a new one whenever a knob
+    was set since it last hashed, ``patch`` included, so the same object means no knob was
+    set) and the dict versions of knobs that are mutable containers
+    (``numerics_allowlist``), which can change in place."""
+    h = config.get_hash()
+    memo = _config_memo
+    if memo and memo[0] is h and memo[1].holds():
+        return memo[2]
+    values = config.get_config_copy()
+    key = tuple(sorted((k, repr(v)) for k, v in values.items()))
+    watches = Watches()
+    for name, value in values.items():
+        if isinstance(value, (dict, list, set)):
+            _watch_containers(watches, getattr(config, name))
+    _config_memo[:] = [h, watches, key]
+    return key
+
+
+_config_memo: list[Any] = []
+
+
+def _watch_containers(watches: Watches, value: Any) -> None:
+    if isinstance(value, dict):
+        watches.dict(value)
+        for v in value.values():
+            _watch_containers(watches, v)
+    elif isinstance(value, (list, set)):
+        (watches.sequence if isinstance(value, list) else watches.set)(value)
+        for v in value:
+            _watch_containers(watches, v)
 
 
 # ------------------------------------------------------------------- pair keys
@@ -125,12 +216,10 @@ def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
     unpack key, config): every dependency of what the graphs compute. The pins are the
     objects keyed by identity (large tensors): holding them keeps their ids unique.
     """
-    if not hooks or not pair_is_inlineable(hooks):
+    key = hooks_guard_key(hooks)
+    if key is None:
         return None, ()
-    pack, unpack = (hook_identity(fn, lift=True) for fn in hooks)
-    if pack.unkeyable or unpack.unkeyable:
-        return None, ()
-    return ("inline", pack.key, unpack.key, config_key()), pack.pins + unpack.pins
+    return key, hook_identity(hooks[0], lift=True).pins + hook_identity(hooks[1], lift=True).pins
 
 
 def hook_content_check(fn: Any, lift: Lift = False) -> tuple[str, Any]:
@@ -160,8 +249,14 @@ def describe_guard_key(key: Any) -> str:
 
 
 def hooks_guard_key(hooks: Any) -> Any:
-    """The key of :func:`hooks_guard_state`."""
-    return hooks_guard_state(hooks)[0]
+    """The key of :func:`hooks_guard_state` (what the guard compares at every call)."""
+    if not hooks or not pair_is_inlineable(hooks):
+        return None
+    pack = hook_identity(hooks[0], lift=True)
+    unpack = hook_identity(hooks[1], lift=True)
+    if pack.unkeyable or unpack.unkeyable:
+        return None
+    return ("inline", pack.key, unpack.key, config_key())
 
 
 def content_key(fn: Any) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_code import _cell_filled, _global_names, _is_library_module
+from torch_patches._hook_code import _cell_filled, _global_names, _is_library_module, _is_own_module
 
 
 #: How deep the walk follows references from a hook function.
@@ -125,7 +125,9 @@ def _children(v: Any, names: set[str]) -> list[tuple[Step, Any]]:
         for name, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
             if _cell_filled(cell):
                 out.append((Step("closure", name), cell.cell_contents))
-        for name in sorted(_global_names(v.__code__)):
+        # Our own functions' globals are our code (keyed by our source, as _hook_walk does):
+        # what such a function was made with is in its closure and defaults.
+        for name in () if _is_own_module(v.__module__) else sorted(_global_names(v.__code__)):
             if name in v.__globals__:
                 out.append((Step("global", name), v.__globals__[name]))
         for i, d in enumerate(v.__defaults__ or ()):
@@ -215,30 +217,37 @@ def resolve(fn: Any, path: tuple[Step, ...]) -> Any:
     return v
 
 
-#: The alias :func:`current_input` gave for each tensor, while it lives and its storage,
-#: offset, sizes and strides stay the same: one object per tensor (Dynamo's no-aliasing guard
-#: compares its inputs' ids, and a new object at each call could take a freed one's id).
-#: By id (a tensor's ``==`` compares values, so no weak-keyed mapping), dropped with it.
+#: The alias :func:`current_input` gave for each tensor, while it lives and its data, sizes
+#: and strides stay the same: one object per tensor (Dynamo's no-aliasing guard compares its
+#: inputs' ids, and a new object at each call could take a freed one's id).  Keyed by the
+#: tensor's ``_cdata`` (its C++ object; ``id()`` and a tensor's hash are audited events,
+#: this runs at every call), dropped with the tensor.
 _aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
 
 def _alias_of(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s storage with a version counter of its own (kept per tensor)."""
-    held = _aliases.get(id(t))
+    key = t._cdata
+    held = _aliases.get(key)
     alias = held[1] if held is not None and held[0]() is t else None
     if (
         alias is None
-        or alias.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-        or alias.untyped_storage().nbytes() != t.untyped_storage().nbytes()
-        or alias.storage_offset() != t.storage_offset()
+        # The alias holds t's storage: another storage of t cannot start at its address.
+        or alias.data_ptr() != t.data_ptr()
         or alias.size() != t.size()
         or alias.stride() != t.stride()
     ):
         with torch.no_grad():
             alias = torch.empty((0,), dtype=t.dtype, device=t.device)
             alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-        _aliases[id(t)] = (weakref.ref(t, lambda _, i=id(t): _aliases.pop(i, None)), alias)
+        _aliases[key] = (weakref.ref(t, functools.partial(_drop_alias, key)), alias)
     return alias
+
+
+def _drop_alias(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    held = _aliases.get(key)
+    if held is not None and held[0] is ref:
+        del _aliases[key]
 
 
 def current_input(role: str, path: tuple[Step, ...], hooks: Callable[[], Any]) -> torch.Tensor | None:

@@ -85,6 +85,7 @@ from torch_patches._hook_code import (
     _volatile_name,
 )
 from torch_patches._hook_kinds import CACHE_HASH_ATTR
+from torch_patches._hook_watch import Watches, tensor_bytes
 
 
 # Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.
@@ -163,6 +164,8 @@ class _Walker:
         self.unkeyable: list[str] = []
         self.pins: list[Any] = []
         self.count = 0
+        self.watches = Watches()  # how to re-check cheaply what the key was built from
+        self.reentered = False  # the walk reached the hook it started from again
 
     # -------------------------------------------------------------- dispatch
 
@@ -179,6 +182,7 @@ class _Walker:
             )
             return ("too-deep",)
         if id(v) in self.seen:
+            self.reentered = self.reentered or self.seen[id(v)] == 0
             return ("ref", self.seen[id(v)])
         self.seen[id(v)] = len(self.seen)
         self.pins.append(v)  # keeps ids in `seen` unique for the walk
@@ -186,10 +190,15 @@ class _Walker:
         if isinstance(v, torch.Tensor):
             return self.tensor(v)
         if isinstance(v, (tuple, list)):
+            if not isinstance(v, tuple):
+                self.watches.sequence(v)
             return (type(v).__name__, tuple(self.value(x, d) for x in v))
         if isinstance(v, (set, frozenset)):
+            if not isinstance(v, frozenset):
+                self.watches.set(v)
             return (type(v).__name__, tuple(sorted((self.value(x, d) for x in v), key=repr)))
         if isinstance(v, dict):
+            self.watches.dict(v)
             items = [(self.value(k, d), self.value(x, d)) for k, x in v.items()]
             return (type(v).__name__, tuple(items))
         if isinstance(v, torch.fx.GraphModule):
@@ -205,6 +214,7 @@ class _Walker:
         if isinstance(v, property):
             return ("property", self.value(v.fget, d), self.value(v.fset, d))
         if isinstance(v, functools.partial):
+            self.watches.partial(v)
             return ("partial", self.value(v.func, d), self.value(v.args, d), self.value(v.keywords, d))
         if isinstance(v, types.ModuleType):
             return self.module(v, d)
@@ -240,6 +250,7 @@ class _Walker:
         if id(t) in self.lifted:
             # A runtime input of the graphs (``find_inputs``): its metadata is what the
             # compiled graph depends on; Dynamo guards it at its source.
+            self.watches.tensor(t, "meta")
             return meta + ("lifted",)
         if (
             t.numel() <= _TENSOR_VALUE_NUMEL
@@ -247,19 +258,22 @@ class _Walker:
             and t.layout == torch.strided
             and type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
         ):
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            # Read the bytes outside whatever mode is tracing (fake, proxy, functional).
-            with _disable_current_modes(), torch._C._DisableTorchDispatch():
-                data = t.detach().contiguous().view(-1)
-                raw = bytes(data.view(torch.uint8).numpy()) if data.numel() and data.dtype.itemsize else repr(data.tolist()).encode()
-            return meta + ("value", hashlib.sha256(raw).hexdigest()[:24])
+            self.watches.tensor(t, "bytes")
+            return meta + ("value", hashlib.sha256(tensor_bytes(t)).hexdigest()[:24])
+        self.watches.tensor(t, "version")
         self.local.append(
             f"captures a {str(t.dtype).replace('torch.', '')}{list(t.shape)} tensor on "
             f"{t.device.type}, keyed by identity and version (only CPU tensors of at most "
             f"{_TENSOR_VALUE_NUMEL} elements are keyed by value)"
         )
         return meta + ("identity", id(t), t._version)
+
+    def watch_environ(self) -> None:
+        data = getattr(os.environ, "_data", None)
+        if type(data) is dict:
+            self.watches.dict(data)
+        else:
+            self.watches.equal(functools.partial(dict, os.environ), dict(os.environ))
 
     def volatile(self, v: Any) -> None:
         name = _volatile_name(v)
@@ -277,6 +291,9 @@ class _Walker:
 
     def made_with(self, fn: types.FunctionType, depth: int) -> Any:
         """What a function object carries beyond its code: defaults, closure, attributes."""
+        self.watches.function(fn)
+        for cell in fn.__closure__ or ():
+            self.watches.cell(cell)
         closure = tuple(
             self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
             for cell in (fn.__closure__ or ())
@@ -294,6 +311,7 @@ class _Walker:
             self.volatile(fn)
             if module == "os" and fn.__name__ in ("getenv", "getenvb"):
                 # Reads the environment: keyed by its content (as os.environ is).
+                self.watch_environ()
                 return ("lib-function", module, fn.__qualname__, ("environ", self.value(dict(os.environ), depth)))
             if "<locals>" in fn.__qualname__:
                 # Made by a library's factory (torch's own ready-made hooks, in the upstream
@@ -307,6 +325,7 @@ class _Walker:
             # (closures, defaults: a factory's arguments, a user's predicate) is keyed.
             return ("own-function", module, fn.__qualname__, own_source_digest(), state)
         globs: list[Any] = []
+        self.watches.names(fn.__globals__, sorted(_global_names(fn.__code__)))
         for name in sorted(_global_names(fn.__code__)):
             if name in fn.__globals__:
                 globs.append((name, self.value(fn.__globals__[name], depth)))
@@ -319,7 +338,9 @@ class _Walker:
         for level, name in _code_info(fn.__code__).imports:
             target = _resolve_import(level, name, fn.__globals__)
             # The module itself and the package the name binds (``import a.b`` binds ``a``).
-            for mod_name in dict.fromkeys((target, target.split(".", 1)[0])) if target else ():
+            mod_names = tuple(dict.fromkeys((target, target.split(".", 1)[0]))) if target else ()
+            self.watches.names(sys.modules, mod_names)
+            for mod_name in mod_names:
                 mod = sys.modules.get(mod_name)
                 if mod is not None:
                     imported.append((mod_name, self.value(mod, depth)))
@@ -336,6 +357,7 @@ class _Walker:
     def namespace(self, ns: dict[str, Any], depth: int) -> Any:
         """Every entry of a user module's namespace but its dunders (import machinery)."""
         before = len(self.unkeyable)
+        self.watches.dict(ns)
         key = tuple(
             (k, self.value(v, depth)) for k, v in sorted(ns.items()) if not (k.startswith("__") and k.endswith("__"))
         )
@@ -352,6 +374,7 @@ class _Walker:
         if not library and ALL_ATTRS in self.attrs:
             return ("module", name, False, self.namespace(m.__dict__, depth))
         entries = []
+        self.watches.names(m.__dict__, sorted(self.attrs))
         for attr in sorted(self.attrs):
             if attr not in m.__dict__:
                 continue
@@ -364,6 +387,10 @@ class _Walker:
                 elif isinstance(v, (dict, list, set, frozenset, tuple)):
                     entries.append((attr, self.value(v, depth)))  # module-level data
                 elif isinstance(v, collections.abc.Mapping) and not isinstance(v, type):
+                    if v is os.environ:
+                        self.watch_environ()
+                    else:  # keyed through a copy: only equality can vouch for it
+                        self.watches.equal(functools.partial(dict, v), dict(v))
                     entries.append((attr, ("mapping", self.value(dict(v), depth))))  # os.environ
                 elif isinstance(v, types.FunctionType):
                     entries.append((attr, self.function(v, depth)))  # version, volatility
@@ -381,10 +408,12 @@ class _Walker:
             return ("own-class", c.__module__, c.__qualname__, own_source_digest())
         # A user class: everything in its (and its user bases') namespace.
         mro = []
+        self.watches.attr(c, "__mro__", c.__mro__)
         for base in c.__mro__:
             if _is_library_module(base.__module__):
                 mro.append(("lib-class", base.__module__, base.__qualname__))
                 continue
+            self.watches.mapping(base.__dict__)
             entries = tuple(
                 (k, self.value(v, depth))
                 for k, v in base.__dict__.items()
@@ -398,6 +427,7 @@ class _Walker:
         slots = _slot_values(v)
         if state is None and slots is None:
             if type(v).__module__ == "numpy" and hasattr(v, "tobytes") and getattr(v, "size", 1 << 30) <= _TENSOR_VALUE_NUMEL:
+                self.watches.equal(functools.partial(_array_state, v), _array_state(v))
                 return ("ndarray", str(v.dtype), tuple(v.shape), hashlib.sha256(v.tobytes()).hexdigest()[:24])
             self.unkeyable.append(
                 f"it reaches a {type(v).__module__}.{type(v).__qualname__} object, whose state "
@@ -405,6 +435,11 @@ class _Walker:
                 "when it changes"
             )
             return ("opaque", type(v).__qualname__)
+        self.watches.type_of(v)
+        if state is not None and type(object.__getattribute__(v, "__dict__")) is not dict:
+            self.watches.mapping(object.__getattribute__(v, "__dict__"))  # keyed through a copy
+        if slots is not None:
+            self.watches.slots(v, tuple(slots))
         return (
             "object",
             self.cls(type(v), depth),
@@ -413,13 +448,16 @@ class _Walker:
         )
 
     def graph_module(self, gm: torch.fx.GraphModule, depth: int) -> Any:
-
+        # Its code (``gm.code`` is its ``_code``) and its graph live in its ``__dict__``.
+        self.watches.dict(gm.__dict__)
         attrs = []
         for node in gm.graph.nodes:
             if node.op in ("get_attr", "call_module"):
                 obj: Any = gm
                 for part in str(node.target).split("."):
-                    obj = getattr(obj, part, None)
+                    found = getattr(obj, part, None)
+                    self.watches.attr(obj, part, found)
+                    obj = found
                 attrs.append((node.op, str(node.target), self.value(obj, depth)))
             elif node.op == "call_function" and not isinstance(
                 node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, types.BuiltinFunctionType)
@@ -427,11 +465,16 @@ class _Walker:
                 # fx.wrap leaves and other Python callables the graph calls: make_fx traces
                 # through them, so their code counts; a user_cache_hash stands for it.
                 user_hash = leaf_cache_hash(node)
+                self.watches.attr(node.target, CACHE_HASH_ATTR, getattr(node.target, CACHE_HASH_ATTR, None))
                 if user_hash is not None:
                     attrs.append((node.name, ("user_cache_hash", user_hash)))
                 else:
                     attrs.append((node.name, self.value(node.target, depth)))
         return ("graph_module", type(gm).__qualname__, gm.code, tuple(attrs))
+
+
+def _array_state(a: Any) -> tuple[Any, ...]:
+    return (str(a.dtype), a.shape, a.tobytes())
 
 
 def leaf_cache_hash(node: torch.fx.Node) -> str | None:

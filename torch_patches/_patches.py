@@ -229,10 +229,12 @@ EFFECTS: tuple[Effect, ...] = (
     ),
     Effect(
         name="aot.side_effect_probe",
-        install=f"{_TP}_functorch._aot_autograd.hook_tracing:install_side_effect_probe",
-        summary="a Python audit hook recording the I/O a hook attempts while it is traced",
-        inert="audit hooks cannot be removed (PEP 578); it records only in a thread tracing a hook",
-        upstream_lazy="the tracer adds the audit hook at its first hook trace (hook_tracing._no_side_effects)",
+        install=f"{_TP}_audit:install",
+        summary="a Python audit hook recording the I/O a hook attempts while it is traced, and counting "
+        "assignments to functions' code and defaults (the hook identities' watches)",
+        inert="audit hooks cannot be removed (PEP 578); it records only in a thread tracing a hook, and "
+        "only a function's code or defaults being assigned moves its counter",
+        upstream_lazy="the tracer and the hook identities' watches add the audit hook at first use (_audit.install)",
     ),
     Effect(
         name="inductor.offload_lowering",

@@ -87,6 +87,8 @@ CONFIG_MODULE_API = frozenset(
 NEW_MODULE_NAMES = {
     "torch_patches._hook_identity": "torch._functorch._aot_autograd.hook_identity",
     "torch_patches._hook_walk": "torch._functorch._aot_autograd.hook_walk",
+    "torch_patches._hook_watch": "torch._functorch._aot_autograd.hook_watch",
+    "torch_patches._audit": "torch._functorch._aot_autograd.hook_audit",
     "torch_patches._hook_code": "torch._functorch._aot_autograd.hook_code",
     "torch_patches._hook_inputs": "torch._functorch._aot_autograd.hook_inputs",
     "torch_patches._hook_kinds": "torch._functorch._aot_autograd.hook_kinds",
@@ -1241,9 +1243,14 @@ class _Job:
                 dest, final = self.place(mod, nm)
                 ref = self._ref_to(fw, dest, final, name)
                 return None if ref is None else (ref, False)
-            # A torch_patches module: only ``module.attr`` uses.
+            # A torch_patches module: only ``module.attr`` uses, but for the config module,
+            # which upstream's config module stands for as a value too (its API, and a
+            # superset of our knobs under their upstream names).
             if use.attribute is None:
-                raise ExportError(f"{src.module} uses the module {b.dotted} as a value ({name})")
+                if not self.ex._is_config_module(mod):
+                    raise ExportError(f"{src.module} uses the module {b.dotted} as a value ({name})")
+                alias = self.module_alias(fw, CONFIG_HOME, name)
+                return (alias, False) if alias != name else None
             dest, final = self.place(mod, use.attribute.attr)
             if dest == fw.module:
                 return final, True

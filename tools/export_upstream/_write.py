@@ -376,12 +376,6 @@ REVIEWABLE_LINES = 500
 
 #: Why a commit is bigger than :data:`REVIEWABLE_LINES` (said in ``SUMMARY.md``).
 LARGE_REASONS = {
-    "add-hook_tracing": (
-        "tracing a hook (with the saved tensor's metadata, the lifted inputs, packed "
-        "subclasses) and the hook contract checked while tracing (purity, aliasing, side "
-        "effects): the contract is how a trace is refused, so the tracer alone would inline "
-        "hooks it must refuse"
-    ),
     "add-graph_surgery": (
         "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
         "rewrite of the graph pair: any one alone leaves graphs that do not run"

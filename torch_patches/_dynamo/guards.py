@@ -26,6 +26,12 @@ def _current_state() -> tuple[Any, tuple[Any, ...]]:
     return hook_keys.hooks_guard_state(hook_utils.ambient_saved_tensors_hooks())
 
 
+def current_key() -> Any:
+    """What the guard compares at every compiled call: a lookup per hook (``hook_identity``
+    walks a hook object once, then re-checks what it read), not a walk."""
+    return hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
+
+
 def _guard_code(expected: Any) -> list[str]:
     return [f"torch_patches saved_tensors_hooks key == {hook_keys.describe_guard_key(expected)}"]
 
@@ -38,7 +44,7 @@ def AUTOGRAD_SAVED_TENSORS_HOOKS(self: Any, guard: Any) -> None:
     self._set_guard_export_info(guard, code)
 
     def check(_: object) -> bool:
-        return _current_state()[0] == expected
+        return current_key() == expected
 
     check.pins = pins  # type: ignore[attr-defined]  # alive as long as the guard
     self.guard_manager.root.add_lambda_guard(

@@ -102,10 +102,15 @@ def _fractions(text: str) -> tuple[float, ...]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    if "--train" in (sys.argv[1:] if argv is None else argv):
+    given = sys.argv[1:] if argv is None else argv
+    if "--train" in given:
         from torch_patches.bench import convergence
 
         return convergence.main(argv)
+    if "--overhead" in given:
+        from torch_patches.bench import overhead
+
+        return overhead.main(given)
 
     parser = argparse.ArgumentParser(prog="python -m torch_patches bench", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)

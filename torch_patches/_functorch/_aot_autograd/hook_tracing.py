@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx, py_sym_types
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torch_patches import config
+from torch_patches import _audit, config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import packed_subclasses, utils as hook_utils
 from torch_patches._hook_kinds import PairKind, decode
@@ -386,64 +385,19 @@ def _purity_key(fn: Any) -> Any:
         return None
 
 
-_MODULE_FILES = (".py", ".pyc", ".so", ".pyd")
-
-
-class _SideEffectProbe:
-    """Records I/O a plain-function hook attempts while it is traced (files, processes,
-    sockets), through a Python audit hook.
+@contextlib.contextmanager
+def _no_side_effects(fn: Any) -> Iterator[list[str]]:
+    """Collect I/O a plain-function hook attempts while it is traced (files, processes,
+    sockets; this thread only), through the package's audit hook (``_audit``).
 
     Prints are found before tracing, in the hook's code (``_hook_walk``: a hook that
     reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
-    The audit hook is a registry effect (``aot.side_effect_probe``), added once.  Audit hooks
-    cannot be removed (PEP 578): ours records only in the thread that is tracing a hook, while
-    it traces; at any other time (also once the patches are removed) it returns at once.
-    """
-
-    _installed = False
-    _lock = threading.Lock()
-    _active = threading.local()
-    _EVENTS = ("open", "os.", "subprocess.", "socket.", "shutil.", "builtins.input")
-
-    @classmethod
-    def install(cls) -> None:
-        """Add the audit hook (once per process); the registry calls it from ``apply()``."""
-        with cls._lock:
-            if not cls._installed:
-                import sys
-
-                sys.addaudithook(cls._audit)
-                cls._installed = True
-
-    @classmethod
-    def _audit(cls, event: str, args: tuple[Any, ...]) -> None:
-        records = getattr(cls._active, "records", None)
-        if records is None:
-            return
-        if event == "open" and args and isinstance(args[0], str) and args[0].endswith(_MODULE_FILES):
-            return  # imports and source lookups, not the hook's I/O
-        if event.startswith(cls._EVENTS) and not event.startswith("os.listdir"):
-            records.append(event)
-
-
-@contextlib.contextmanager
-def _no_side_effects(fn: Any) -> Iterator[list[str]]:
-    """Collect I/O a plain-function hook performs while it is traced (this thread only)."""
-    records: list[str] = []
+    GraphModules cannot reach the world: nothing to record."""
     if isinstance(fn, torch.fx.GraphModule):
-        yield records
+        yield []
         return
-    if not _SideEffectProbe._installed:
-        # apply() installs it (registry effect aot.side_effect_probe) before any trace can
-        # happen; only this code's upstream form, where torch itself holds the inliner and
-        # nothing calls apply(), gets here: it installs the probe at its first trace.
-        _SideEffectProbe.install()
-    _SideEffectProbe._active.records = records
-    try:
+    with _audit.recording() as records:
         yield records
-    finally:
-        _SideEffectProbe._active.records = None
-        records[:] = list(dict.fromkeys(records))
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -490,9 +444,3 @@ def check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) 
     if out.device != val.device:
         raise mismatch("device", val.device, out.device)
     return not _same_strides(out, val)
-
-
-def install_side_effect_probe() -> None:
-    """Registry effect ``aot.side_effect_probe``: add the audit hook. Cannot be undone
-    (PEP 578); inert outside a hook trace (see :class:`_SideEffectProbe`)."""
-    _SideEffectProbe.install()

@@ -15,12 +15,13 @@ hooks' *type* alone.  We decide per compiled graph:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from torch._functorch._aot_autograd import runtime_wrappers as _upstream_runtime_wrappers
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
@@ -109,19 +110,28 @@ def _contract_hooks(
     return contract_pack, contract_unpack
 
 
-@contextlib.contextmanager
-def python_hooks_contract() -> Iterator[None]:
-    """Run the ambient Python hooks under the hook contract for one compiled call."""
+def run_under_hooks_contract(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one compiled call with the ambient Python hooks (if any) under the hook contract.
+
+    Every call of a graph compiled without hooks comes here: with no hooks active it is one
+    lookup and the call itself."""
     hooks = hook_utils.top_saved_tensors_hooks()
     if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        yield
-        return
+        return run(*args, **kwargs)
     with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):
-        yield
+        return run(*args, **kwargs)
 
 
-def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
-    """The context a compiled graph runs in, decided when its wrapper is created."""
+def run_with_hooks_disabled(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one compiled call of a graph whose hooks were inlined: the Python hooks are
+    disabled while it runs (upstream's context)."""
+    with _upstream_runtime_wrappers._disable_saved_tensors_hooks():
+        return run(*args, **kwargs)
+
+
+def _runtime_context() -> Callable[..., Any] | None:
+    """How a compiled graph runs (a function taking the call), decided when its wrapper is
+    created; None: as upstream's wrapper does."""
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
     hooks = hook_utils.ambient_saved_tensors_hooks()
@@ -129,16 +139,12 @@ def _runtime_context() -> Callable[[], contextlib.AbstractContextManager[None]] 
     if hooks is None:
         # Compiled without hooks: its guard also admits Python hooks (they do not change
         # the graph), which then run under the contract.
-        return python_hooks_contract
+        return run_under_hooks_contract
     if inlined is None:
         # No inlining attempt in this compilation (a cache hit): keyable inlineable hooks
         # were inlined, since graphs whose hooks fell back to eager are never cached.
         inlined = hook_keys.hooks_guard_key(hooks) is not None
-    if inlined:
-        from torch._functorch._aot_autograd import runtime_wrappers
-
-        return runtime_wrappers._disable_saved_tensors_hooks
-    return python_hooks_contract
+    return run_with_hooks_disabled if inlined else run_under_hooks_contract
 
 
 def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,14 +155,13 @@ def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., A
         runtime_wrapper = original(*args, **kwargs)
         if not kwargs.get("trace_joint", False):
             return runtime_wrapper
-        context = _runtime_context()
-        if context is None:
+        run = _runtime_context()
+        if run is None:
             return runtime_wrapper
 
         @functools.wraps(runtime_wrapper)
         def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
-            with context():
-                return runtime_wrapper(*a, **kw)
+            return run(runtime_wrapper, *a, **kw)
 
         return _runtime_wrapper
 

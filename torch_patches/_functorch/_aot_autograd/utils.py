@@ -38,12 +38,32 @@ def ambient_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any
     hooks = top_saved_tensors_hooks()
     if hooks is not None:
         return hooks
-    if config.activation_memory_budget is None:
+    budget = _config_budget()
+    if budget is None:
         return None
     try:
-        return budget_pair(budget_spec(config.activation_memory_budget))
+        return _config_budget_pair(budget)
     except (TypeError, ValueError) as e:
         raise type(e)(f"torch_patches.config.activation_memory_budget: {e}") from None
+
+
+_budget_memo: list[Any] = [None, None]
+
+
+def _config_budget() -> Any:
+    """``config.activation_memory_budget``, read at every compiled call (the guard): read
+    again only when a knob was set (the config module's hash object is then a new one;
+    a config module's attribute read costs several of these)."""
+    h = config.get_hash()
+    if _budget_memo[0] is not h:
+        _budget_memo[:] = [h, config.activation_memory_budget]
+    return _budget_memo[1]
+
+
+@functools.lru_cache(maxsize=16, typed=True)
+def _config_budget_pair(memory: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    # Asked at every compiled call (the guard): one lookup per value of the knob.
+    return budget_pair(budget_spec(memory))
 
 
 def saved_tensors_hooks_are_inlineable(hooks: Any) -> bool:
