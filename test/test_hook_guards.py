@@ -16,7 +16,7 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_deps as deps
-from torch_patches import _hook_identity, config as tp_config, hooks as tp_hooks
+from torch_patches import _hook_identity, config as tp_config
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
@@ -240,7 +240,7 @@ class TestGuardIsALookup(TestCase):
         self.assertEqual(grads[-1], self.reference(hooks, device), atol=0, rtol=0)
 
     def test_config_container_mutated_in_place(self, device):
-        hooks = tp_hooks.bf16()
+        hooks = make_hooks("marked_function", 2.0)
         counter, blocks = self.blocks()
         with tp_config.patch(numerics_allowlist={}):
             self.steps(blocks, hooks, device, n=2)
@@ -268,10 +268,10 @@ class TestGuardIsALookup(TestCase):
 
     def test_recreated_hooks_walk_once_per_object_not_per_call(self, device):
         counter, blocks = self.blocks()
-        self.steps(blocks, tp_hooks.bf16(), device, n=1)
+        self.steps(blocks, make_hooks("marked_function", 2.0), device, n=1)
         with counting_walks() as walks:
             for _ in range(4):
-                self.steps(blocks, tp_hooks.bf16(), device, n=1)
+                self.steps(blocks, make_hooks("marked_function", 2.0), device, n=1)
         self.assertEqual(counter.frame_count, 3)
         self.assertEqual(len(walks), 4 * 2)  # a new pack and unpack per step, 3 blocks each
 

@@ -169,6 +169,12 @@ class _Converter:
                     return "torch._dynamo.test_case", "TestCase"
                 module = "torch_patches._testing"
             if module in HELPERS:
+                via = self.r.binding(module, name) if _ours(module) else None
+                if via is not None and via.rpartition(".")[0] in HELPERS:
+                    # A helper's re-export of another helper's name: from where it is defined
+                    # (the converted helper keeps only the imports it uses itself).
+                    module, _, name = via.rpartition(".")
+                    continue
                 self.helpers.add(module)
                 return helper_home(module), name
             via = self.r.binding(module, name)
