@@ -339,3 +339,90 @@ def _has(module: str) -> bool:
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestBudgetSweep(TestCase):
+    """``bench --budget-sweep``: its table and verdicts from rows (the rows themselves are
+    ``bench --train``'s, run by the bench)."""
+
+    @staticmethod
+    def row(peak, ms=100.0, plans=()):
+        return {"seeds": {"0": {"peak_bytes": peak, "step_ms": ms}}, "plans": list(plans)}
+
+    @staticmethod
+    def plan(peak, baseline, met, holders=(), ratio=None):
+        return {"peak_bytes": peak, "baseline_bytes": baseline, "met": met, "floor_holders": list(holders),
+                "partitioner_ratio": ratio, "partitioner_met": None if ratio is None else True}
+
+    def results(self, ours, stock, plans):
+        out = {"compiled": self.row(1000)}
+        for f in ours:
+            out[f"budget:{f:g}"] = self.row(ours[f], 120.0, plans[f])
+            out[f"amb:{f:g}"] = self.row(stock[f], 150.0)
+        return out
+
+    def test_summary_ratios_plans_and_verdicts(self) -> None:
+        from torch_patches.bench import budget_sweep
+
+        plans = {
+            0.1: [self.plan(400, 1000, False, ["logits 64 MiB in use there at full size"])],
+            0.5: [self.plan(500, 1000, True)],
+            # The partitioner's recomputation met it: the plan's baseline is what it left.
+            0.9: [self.plan(450, 500, True, ratio=0.5)],
+        }
+        summary = budget_sweep.summarize(self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans),
+                                         [0.1, 0.5, 0.9], 0.02)
+        lines = {line["fraction"]: line for line in summary["lines"]}
+        self.assertEqual([lines[f]["ours_peak"] for f in (0.1, 0.5, 0.9)], [0.5, 0.6, 0.55])
+        self.assertEqual(lines[0.9]["plan_peak"], 0.45)
+        self.assertEqual((lines[0.1]["plan_met"], lines[0.1]["floor"]), (False, ["logits 64 MiB in use there at full size"]))
+        self.assertAlmostEqual(lines[0.5]["ours_time"], 1.2)
+        self.assertEqual(summary["rises"], [(0.5, 0.9)])  # 0.5 measured above 0.9
+        self.assertEqual(summary["above_stock"], [0.5])  # 600 > 1.02 * 580
+        table = budget_sweep.format_table(summary, 0.02)
+        self.assertIn("| 0.1 | 0.40 | floor | 0.50 | 0.70 | 1.20 | 1.50 |", table)
+        self.assertIn("rises from F=0.5 to F=0.9; above stock's + 2% at F = 0.5", table)
+        self.assertIn("floor held by: logits 64 MiB in use there at full size", table)
+        # A model compiled to two graphs whose loss graph cannot meet it says so.
+        plans[0.5].append(self.plan(100, 100, False, ["logits 1 MiB kept exact"]))
+        mixed = budget_sweep.summarize(self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans),
+                                       [0.1, 0.5, 0.9], 0.02)
+        self.assertIn("| 0.5 | 0.55 | met in 1 of 2 graphs |", budget_sweep.format_table(mixed, 0.02))
+
+    def test_monotonic_and_below_stock_say_so(self) -> None:
+        from torch_patches.bench import budget_sweep
+
+        plans = {f: [self.plan(100, 1000, True)] for f in (0.3, 0.6)}
+        summary = budget_sweep.summarize(self.results({0.3: 400, 0.6: 400}, {0.3: 395, 0.6: 500}, plans), [0.3, 0.6], 0.02)
+        self.assertEqual((summary["rises"], summary["above_stock"]), ([], []))
+        self.assertIn("never rises as F falls; at or below stock's + 2% at every F", budget_sweep.format_table(summary, 0.02))
+
+    def test_errors_are_reported_not_ratioed(self) -> None:
+        from torch_patches.bench import budget_sweep
+
+        results = self.results({0.5: 400}, {0.5: 500}, {0.5: []})
+        results["amb:0.5"] = {"row": "amb:0.5", "error": "boom"}
+        summary = budget_sweep.summarize(results, [0.5], 0.02)
+        (line,) = summary["lines"]
+        self.assertEqual((line["stock_peak"], line["errors"]), (None, ["boom"]))
+        self.assertIn("F=0.5: error: boom", budget_sweep.format_table(summary, 0.02))
+
+    def test_cli_validates_before_running(self) -> None:
+        from torch_patches.bench import budget_sweep
+
+        for bad in (["--fractions", "0,0.5"], ["--fractions", "1.5"], ["--steps", "2"]):
+            with self.subTest(bad=bad), self.assertRaises(SystemExit), mock.patch("sys.stderr"):
+                budget_sweep.main(["--budget-sweep", *bad])
+
+    def test_plan_rows_are_json(self) -> None:
+        from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage
+        from torch_patches.bench.convergence import TrainConfig, plan_row
+
+        plan = BudgetPlanSummary("ambient", "budget(0.5)", 10, 20, 10, 12, "the forward's end", False, "the floor", 1.0,
+                                 (PlannedStorage(("a",), "int8", 3, 0.1), PlannedStorage(("b",), "int8", 3, 0.1)),
+                                 floor_bytes=12, floor_holders=("a 3 B",))
+        row = plan_row(plan)
+        self.assertEqual((row["options"], row["floor_holders"], "units" in row), ({"int8": 2}, ("a 3 B",), False))
+        json.dumps(row)
+        with self.assertRaises(ValueError):
+            TrainConfig(vocab=100)

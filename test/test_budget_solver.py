@@ -7,18 +7,21 @@ greedy that :func:`solver.fit` runs carries one heap from point to point and kee
 bytes per point in a segment tree; on many seeded random instances (ties in price, pins,
 transient bytes, options off the hull, refused steps) it must choose exactly what the
 reference chooses.  Its work on 1,200 storages is bounded by counting its heap and tree
-operations (no timing in unit tests).
+operations (no timing in unit tests).  The exact programme (:func:`exact.exact_fit`)
+(``activation_budget/exact.py``) is checked against the brute force over every
+combination, and the greedy against it.
 """
 
 import ast
 import dataclasses
 import heapq
+import itertools
 import random
 from unittest import mock
 
 from torch._dynamo.test_case import run_tests
 
-from torch_patches._functorch._aot_autograd.activation_budget import solver
+from torch_patches._functorch._aot_autograd.activation_budget import exact, solver
 from torch_patches.testing import TestCase
 
 
@@ -234,22 +237,117 @@ class TestSolverWork(TestCase):
 
     def test_solvers_by_name(self):
         self.assertIs(solver.SOLVERS["greedy"], solver.greedy_fit)
-        result = large_plan(20)
         with self.assertRaises(KeyError):
-            solver.fit(result, "exact")
+            solver.fit(large_plan(20), "ilp")
+
+
+def brute_force(result):
+    """The best of every combination of options: (0, ms) when one meets the budget, else
+    (1, the lowest peak, its least ms)."""
+    best = None
+    for combo in itertools.product(*[c.options for c in result.choices]):
+        for c, option in zip(result.choices, combo):
+            c.chosen = option
+        peak, ms = result.peak[0], result.estimated_ms
+        key = (0, ms) if peak <= result.budget_bytes else (1, peak, ms)
+        best = key if best is None or key < best else best
+    return best
+
+
+def outcome(result):
+    return (0, result.estimated_ms) if result.met else (1, result.peak[0], result.estimated_ms)
+
+
+class TestExactSolver(TestCase):
+    def test_pure(self):
+        # Of torch, only the budget's own package (the solver's data types): no torch, no fx.
+        package = solver.__name__.rpartition(".")[0]
+        ours = {m for m in imported_modules(exact.__file__) if m.startswith("torch")}
+        self.assertTrue(ours and all(m == package or m.startswith(package + ".") for m in ours), ours)
+
+    def test_auto_gives_up_on_the_exact_programme_quickly(self):
+        # Random sizes and times give Pareto fronts that grow with every storage: the exact
+        # programme stops at EXACT_MAX_STATES partial plans and the greedy fits the plan.
+        for n, fraction in ((100, 0.5), (1200, 0.5), (1200, 0.05)):
+            with self.subTest(n=n, fraction=fraction):
+                auto, greedy = large_plan(n), large_plan(n)
+                auto.budget_bytes = greedy.budget_bytes = int(auto.baseline_bytes * fraction)
+                work = exact.exact_or_greedy_fit(auto)
+                solver.fit(greedy, "greedy")
+                self.assertLessEqual(auto.estimated_ms, greedy.estimated_ms + 1e-9)
+                self.assertEqual(auto.met, greedy.met)
+                self.assertLess(work, 60 * exact.EXACT_MAX_STATES)
+
+    def test_exact_is_the_best_of_every_combination(self):
+        # Small plans (up to 7 storages, transient bytes of recomputes that pin nothing,
+        # fixed storages, options off the hull): the programme's plan is the brute force's.
+        checked = 0
+        for seed in range(600):
+            result = random_plan(seed, n=random.Random(seed).randrange(1, 8))
+            if any(c.pins and c.options[-1].name == RECOMPUTE for c in result.choices):
+                continue
+            with self.subTest(seed=seed):
+                want = brute_force(copied(result))
+                exact.exact_fit(result)
+                got = outcome(result)
+                self.assertEqual(got[:-1], want[:-1])
+                self.assertAlmostEqual(got[-1], want[-1], places=9)
+                checked += 1
+        self.assertGreater(checked, 300)
+
+    def test_greedy_meets_a_budget_exactly_when_the_exact_programme_does(self):
+        # Without pins, more bytes saved never raises a point, so both meet a budget exactly
+        # when every storage at its fewest bytes does; the greedy's time may be more.
+        slower = 0
+        for seed in range(600):
+            greedy = random_plan(seed, recompute=0)
+            greedy.choices = [solver._on_hull(c) for c in greedy.choices]  # what the planner gives
+            best = copied(greedy)
+            solver.fit(greedy, "greedy")
+            exact.exact_fit(best)
+            with self.subTest(seed=seed):
+                self.assertEqual(greedy.met, best.met)
+                if greedy.met:
+                    self.assertLessEqual(best.estimated_ms, greedy.estimated_ms + 1e-9)
+                if not best.met:  # the exact floor is the lowest peak there is
+                    self.assertLessEqual(best.peak[0], greedy.peak[0])
+            slower += greedy.met and greedy.estimated_ms > best.estimated_ms + 1e-9
+        self.assertGreater(slower, 0)  # the greedy is not exact: why the planner fits exactly
+
+    def test_exact_refuses_pins_and_auto_takes_the_greedy_there(self):
+        result = large_plan(30, recompute=True)
+        self.assertTrue(any(c.pins for c in result.choices))
+        with self.assertRaises(ValueError):
+            exact.exact_fit(copied(result))
+        auto, greedy = copied(result), copied(result)
+        exact.exact_or_greedy_fit(auto)
+        solver.fit(greedy, "greedy")
+        self.assertEqual([c.chosen for c in auto.choices], [c.chosen for c in greedy.choices])
+
+    def test_unmet_budget_leaves_auto_to_the_greedy(self):
+        result = random_plan(3, n=12, recompute=0)
+        result.budget_bytes = 0
+        before = [c.chosen for c in result.choices]
+        with self.assertRaises(LookupError):
+            exact.exact_fit(result, floor=False)
+        self.assertEqual([c.chosen for c in result.choices], before)
+
+
+def imported_modules(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    return imported
 
 
 class TestSolverIsPure(TestCase):
     def test_imports_neither_torch_nor_fx(self):
-        with open(solver.__file__) as f:
-            tree = ast.parse(f.read())
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                imported |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                imported.add(node.module or "")
-        self.assertEqual({m for m in imported if m.startswith(("torch", "torch_patches"))}, set())
+        self.assertEqual({m for m in imported_modules(solver.__file__) if m.startswith(("torch", "torch_patches"))}, set())
 
     def test_members_are_opaque(self):
         # Any member list: the solver never looks into it.

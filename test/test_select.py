@@ -166,6 +166,54 @@ class TestSelect(TestCase):
             self.assertIsNotNone(r.pack_after)
             self.assertIsNotNone(r.unpack_before)
 
+    def test_records_name_the_module_that_computed_them(self, device):
+        # Module paths as named_modules() gives them, whether the compiled module's frame
+        # calls it self or fn (torch versions differ), through ModuleList and Sequential.
+        from torch_patches._functorch._aot_autograd.saved_tensor_records import named_module_path
+        from torch_patches.testing import saved_tensor_records
+
+        for source, path in (
+            ("L['self'].layers[0]._modules['fc']", "layers.0.fc"),
+            ("L['fn'].3.up", "3.up"),
+            ("L['self'].lm.model.layers.0.mlp", "lm.model.layers.0.mlp"),
+            ("G['model'].blocks['a']", "model.blocks.a"),
+            ("L['self']", ""),
+        ):
+            self.assertEqual(named_module_path(source), path)
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = torch.nn.Linear(8, 16)
+                self.down = torch.nn.Linear(16, 8)
+
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(x)))
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([Block(), Block()])
+                self.head = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return self.head(x).sum()
+
+        model = Net().to(device)
+        names = {name for name, _ in model.named_modules()}
+        with saved_tensor_records() as compiled, torch.autograd.graph.saved_tensors_hooks(*bf16()):
+            loss = torch.compile(model, backend="aot_eager")(torch.randn(4, 8, device=device))
+        loss.backward()
+        (graph,) = compiled
+        activations = [r for r in graph.records if not r.is_input]
+        self.assertTrue(activations)
+        self.assertLessEqual({r.module for r in activations}, names)
+        self.assertLessEqual({"layers.0", "layers.1"}, {r.module for r in activations})  # relu's outputs
+        self.assertTrue(all(r.module == "" for r in graph.records if r.is_input))
+        self.assertIn("module layers.1", " ".join(r.line() for r in activations))
+
     def test_debug_log_writes_the_records(self, device):
         from torch_patches import _logging as tp_logging
         from torch_patches.testing import saved_tensor_records

@@ -65,7 +65,16 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
         UpstreamTest("test/test_numerics.py", "test/functorch/test_saved_numerics.py", _F, classes=("TestAllowlistRules",)),
     ],
     "add-solver": [
-        UpstreamTest("test/test_budget_solver.py", "test/functorch/test_activation_budget_solver.py", _F),
+        UpstreamTest(
+            "test/test_budget_solver.py", "test/functorch/test_activation_budget_solver.py", _F,
+            classes=("TestSolverMatchesReference", "TestSolverWork", "TestSolverIsPure"),
+        ),
+    ],
+    "add-exact": [
+        UpstreamTest(
+            "test/test_budget_solver.py", "test/functorch/test_activation_budget_exact.py", _F,
+            classes=("TestExactSolver",),
+        ),
     ],
     "add-planner": [
         UpstreamTest(

@@ -64,7 +64,9 @@ Modules: ``case`` (a row: :class:`Case`), ``models`` (the models and inputs, sha
 tests), ``measure`` (byte accounting), ``run`` (the hooks of each mode, running cases in this
 process or a subprocess), ``report`` (ratios, the table, the JSON), ``_decisions`` (the
 inliner's decisions while compiling: ``kept MiB``, ``plan MiB``), ``convergence`` and
-``convergence_report`` (``bench --train``); this module is the command line.
+``convergence_report`` (``bench --train``), ``budget_sweep`` (``bench --budget-sweep``:
+``budget(F)`` against stock's ``activation_memory_budget`` per fraction, planned beside
+measured), ``overhead`` (``bench --overhead``); this module is the command line.
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from torch_patches.bench import convergence
 
         return convergence.main(argv)
+    if "--budget-sweep" in given:
+        from torch_patches.bench import budget_sweep
+
+        return budget_sweep.main(given)
     if "--overhead" in given:
         from torch_patches.bench import overhead
 

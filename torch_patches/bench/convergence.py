@@ -2,7 +2,7 @@
 
 ``python -m torch_patches bench --train`` trains small language models (Hugging Face Llama
 and GPT-2 built from configs: random init, no download) as byte-level models (vocabulary
-256) on real English text that Python itself ships (the documentation topics of
+256; ``--vocab`` widens the embedding, the head and the logits) on real English text that Python itself ships (the documentation topics of
 ``pydoc_data``), with AdamW, a linear warm-up and a cosine decay, for each *row* (no hooks,
 a ready-made hook, a budget, stock ``activation_memory_budget``...) and each seed.  A seed
 fixes the initial weights and the sequence of training batches, so the rows of one seed
@@ -37,6 +37,7 @@ Rows (``--rows``, comma separated):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -84,12 +85,17 @@ class TrainConfig:
     device: str = "cpu"
     eval_every: int = 50
     eval_batches: int = 8
+    #: The models' vocabulary; the text is bytes (ids below 256), so a larger one only
+    #: widens the embedding, the head and the logits (what a real tokenizer's would cost).
+    vocab: int = VOCAB
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}: choose from {sorted(MODELS)}")
         if self.steps < 1 or self.batch < 1 or self.seq < 2:
             raise ValueError("steps and batch must be >= 1, seq >= 2")
+        if self.vocab < VOCAB:
+            raise ValueError(f"vocab must be at least {VOCAB} (the text is bytes), got {self.vocab}")
 
 
 # --------------------------------------------------------------------------- data
@@ -153,7 +159,7 @@ def build(cfg: TrainConfig) -> Any:
     """The model of ``cfg`` (:mod:`torch_patches.bench.models`): a module mapping token ids to
     the mean next-token loss."""
     try:
-        lm = MODELS[cfg.model](vocab=VOCAB, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
+        lm = MODELS[cfg.model](vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
     except ImportError as e:
         raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
     return causal_lm_loss(lm)
@@ -250,7 +256,7 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     import torch._functorch.config as functorch_config
 
     import torch_patches
-    from torch_patches.testing import peak_bytes
+    from torch_patches.testing import peak_bytes, saved_tensor_records
 
     if row.applies_patches:
         torch_patches.apply()
@@ -279,8 +285,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
         with torch.no_grad():
             return statistics.fmean(model(ids).item() for ids in evals)
 
-    out: dict[str, Any] = {"row": row.name, "seeds": {}, "warnings": []}
-    with configs, warnings.catch_warnings(record=True) as caught:
+    out: dict[str, Any] = {"row": row.name, "seeds": {}, "warnings": [], "plans": []}
+    with configs, warnings.catch_warnings(record=True) as caught, saved_tensor_records() as compiled:
         warnings.simplefilter("always")
         for seed in seeds:
             torch.manual_seed(seed)
@@ -317,7 +323,17 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
                 "step_ms": 1000 * statistics.median(times[3:] or times),
             }
     out["warnings"] = sorted({str(w.message) for w in caught if "torch_patches" in str(w.message)})
+    # The budget plans of the compiled graphs (the first compile's: one per graph).
+    out["plans"] = [plan_row(p) for c in compiled for p in c.plans]
     return out
+
+
+def plan_row(plan: Any) -> dict[str, Any]:
+    """A budget plan's summary as JSON: its fields but the units, and how many storages took
+    each option."""
+    row = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "units"}
+    row["options"] = dict(collections.Counter(u.option for u in plan.units))
+    return row
 
 
 def run_in_subprocess(

@@ -29,6 +29,7 @@ import contextvars
 import dataclasses
 import logging
 import operator
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +62,10 @@ class SavedTensorRecord:
         name: the forward graph's node (and the backward's input of the same name).
         producer: the op that computed it (``"aten.mm.default"``, ``"getitem:1 of
             aten.native_layer_norm.default"``), None for a graph input.
+        module: the module whose forward computed it, as the compiled module's
+            ``named_modules()`` names it (``"model.layers.0.mlp.up_proj"``; a module the
+            compiled code reads as a global keeps its name); ``""`` outside any submodule
+            (a graph input, the compiled function's own code).
         dtype, shape, nbytes, device: the tensor's (symbolic sizes as their hints).
         is_input: a graph input (a parameter, a leaf, an input the caller keeps).
         storage_root: the node whose storage it is a view of (itself when it is a base).
@@ -85,6 +90,7 @@ class SavedTensorRecord:
 
     name: str
     producer: str | None
+    module: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
@@ -156,6 +162,8 @@ class SavedTensorRecord:
             ALIAS: f"alias of {self.alias_of}, shares its packed tensor",
         }[self.decision]
         parts = [f"saved {self.describe()} {what}"]
+        if self.module:
+            parts.append(f"module {self.module}")
         if self.option is not None:
             parts.append(f"budget option {self.option}")
         if self.reason:
@@ -198,6 +206,10 @@ class BudgetPlanSummary:
     #: partitioners.py``), and whether that met the budget (the plan then starts from it).
     partitioner_ratio: float | None = None
     partitioner_met: bool | None = None
+    #: When no plan meets the budget: the floor (the least the allowed options hold, which
+    #: the plan holds) and what holds it at its peak, largest first, in words.
+    floor_bytes: int | None = None
+    floor_holders: tuple[str, ...] = ()
 
     def options(self) -> dict[str, str]:
         """Option per storage, keyed by the first saved tensor reading it."""
@@ -274,6 +286,8 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
             p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
             p.estimated_ms, "met" if p.met else "NOT met", p.preference,
         )
+        if p.floor_bytes is not None:
+            artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))
     if compiled.fallback:
         artifact.debug("eager fallback: %s", compiled.fallback)
 
@@ -297,6 +311,28 @@ def producer_of(saved: fx.Node) -> str | None:
     if saved.target is operator.getitem and saved.args and isinstance(saved.args[0], fx.Node):
         return f"getitem:{saved.args[1]} of {_target_name(saved.args[0])}"
     return _target_name(saved)
+
+
+def module_path(node: fx.Node) -> str:
+    """The module whose forward computed ``node`` (Dynamo's ``nn_module_stack``, innermost),
+    as ``named_modules()`` of the compiled module names it; ``""`` when none did."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    entry = list(stack.values())[-1]
+    return named_module_path(entry[0] if isinstance(entry, tuple) else str(entry))
+
+
+def named_module_path(source: str) -> str:
+    """Dynamo's source of a module (``L['self'].layers[0]._modules['fc']``) as a
+    ``named_modules()`` path (``layers.0.fc``): a module the compiled frame holds as a local
+    (the compiled module itself, ``L['self']`` or ``L['fn']`` by torch version, or a module
+    argument) is the root; a global one keeps its name (``G['model'].fc`` is ``model.fc``)."""
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", source)
+    path = re.sub(r"^G\[['\"]([^'\"]+)['\"]\]", r"\1", path)
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    return path.lstrip(".")
 
 
 def _span(bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> tuple[int, int] | None:
@@ -323,6 +359,7 @@ def collect(
     return SavedTensorRecord(
         name=saved.name,
         producer=producer_of(saved),
+        module=module_path(saved),
         dtype=val.dtype,
         shape=shape,
         nbytes=hook_utils.nbytes_of(saved),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
     options_for,
     windows,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import Recipe, with_recipes
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     KEEP,
+    LOSS,
     RECOMPUTE,
-    SOLVERS,
     Choice,
     Option,
     Plan,
@@ -35,6 +37,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     _on_hull,
     _penalized,
     _unpenalized,
+    greedy_fit,
 )
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 from torch_patches._functorch._aot_autograd.saved_tensor_records import (
@@ -44,6 +47,7 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     BudgetPlanSummary,
     PlannedStorage,
     SavedTensorRecord,
+    module_path,
 )
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 from torch_patches.hooks import chain, cpu_offload, inlineable
@@ -51,8 +55,10 @@ from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, in
 from torch_patches._errors import SavedTensorsHookWarning
 
 
-#: The entry of :data:`~.solver.SOLVERS` the plans are fitted with.
-SOLVER = "greedy"
+#: What the plans are fitted with: the exact programme where it applies, else the greedy
+#: (:mod:`.exact`).  The floor's plan is always the greedy's: it brings every point as low
+#: as the options take it.
+SOLVER: Callable[[Plan], int] = exact_or_greedy_fit
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,7 +180,10 @@ def plan(
             Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
         ]
         text = facts.records[saved[0]].describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root]))
+        why = next((facts.records[s].tolerance_why for s in saved if facts.records[s].tolerance_why), "")
+        if not any(LOSS.get(o, 3) for o in spec.options):
+            why = f"options={'/'.join(spec.options)} has no lossy storage"
+        choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root], why_exact=why))
     fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
 
     # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
@@ -183,12 +192,12 @@ def plan(
     ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
     target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
 
-    def run(units: list[Choice], exact_first: bool = False) -> Plan:
+    def run(units: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
-        candidate = Plan(pair.label, spec, baseline, fixed, target, on_hull, fixed_spans, facts.point_names)
+        candidate = Plan(pair.label, spec, baseline, fixed, budget, on_hull, fixed_spans, facts.point_names)
         if ratio:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
-        SOLVERS[SOLVER](candidate)
+        fit(candidate)
         if exact_first:  # the true times of what was chosen
             candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units)]
             candidate.preference = "least lossy"
@@ -202,6 +211,8 @@ def plan(
         recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
         if recomputable is not None:
             fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+    if not fastest.met:
+        return _floor_plan(run, [u for u in (choices, recomputable) if u is not None], target)
     if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
         return fastest  # nothing lossy to avoid
     # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
@@ -219,6 +230,21 @@ def plan(
     return fastest
 
 
+def _floor_plan(run: Any, candidates: list[list[Choice]], target: int) -> Plan:
+    """The plan when nothing meets ``target``: the floor.  Every point of the backward is
+    brought as low as the options take it (the greedy against a budget of 0 bytes), with
+    and without the recompute options; the one with the lower peak (then the fewer bytes at
+    the forward's end, then the less time) is taken.  It does not depend on the budget, so
+    every budget below the floor plans the same, and a tighter budget never plans a higher
+    peak than a looser one."""
+    lowest = min(
+        (run(units, budget=0, fit=greedy_fit) for units in candidates), key=lambda p: (p.peak[0], p.predicted_bytes, p.estimated_ms)
+    )
+    lowest.budget_bytes = target
+    lowest.preference = "the floor: no plan meets the budget; every point as low as the options take it"
+    return lowest
+
+
 def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[bool]:
     """Per choice: its tensor is the one reader of its storage (a recompute frees it)."""
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
@@ -226,7 +252,7 @@ def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[b
 
 def summarize(result: Plan) -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
-    budget, naming where the backward holds too much."""
+    budget, naming its floor and what holds it there."""
     peak, point = result.peak
     found = _compile_facts.facts() if result.label == "ambient" else None
     cheap = found.partition_cheap_ratio if found is not None else None
@@ -240,6 +266,8 @@ def summarize(result: Plan) -> BudgetPlanSummary:
         )
         for c in result.choices
     )
+    at = _last_peak(result)
+    holders = () if result.met else _floor_holders(result, at)
     summary = BudgetPlanSummary(
         scope=result.label,
         spec=result.spec.describe(),
@@ -254,32 +282,87 @@ def summarize(result: Plan) -> BudgetPlanSummary:
         units=units,
         partitioner_ratio=cheap,
         partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
+        floor_bytes=None if result.met else peak,
+        floor_holders=tuple(text for _, text in holders),
     )
     if not result.met:
-        in_use = sorted(
-            (c for c in result.choices if c.span.first <= point <= c.span.last), key=lambda c: -c.nbytes
-        )
-        exact = sorted(
-            (c for c in result.choices if len(c.options) == 1 and point < c.span.first), key=lambda c: -c.nbytes
-        )
+        share = f" ({peak / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""
         warnings.warn(
             f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
-            f"cannot be met in scope {result.label!r}: the smallest plan found holds {peak} B of saved "
-            f"tensors at {result.describe_point(point)}. Of those, {sum(c.nbytes for c in in_use)} B "
-            f"are in use there at full size ({_names(in_use)}), "
-            f"{sum(s.live(point, n, n) for s, n in result.fixed)} B cannot be hooked (integer tensors, "
-            f"graph inputs), and {sum(c.nbytes for c in exact)} B have no allowed option ({_names(exact)}: "
-            "numerics_safe keeps them exact, offload needs CUDA, recompute needs a short chain "
-            "of ops from tensors kept exact). Saving as much as possible; "
-            "torch._functorch.config.activation_memory_budget can recompute more",
+            f"cannot be met in scope {result.label!r}: its floor, the least the allowed options hold, "
+            f"is {peak} B{share}, held at {result.describe_point(at)}"
+            f"{'' if at == point else ' (and from ' + result.describe_point(point) + ' on)'}. What holds it there: "
+            f"{'; '.join(text for _, text in holders) or 'nothing'}. Planned at the floor (every point as low "
+            "as the options take it); torch._functorch.config.activation_memory_budget can recompute more",
             SavedTensorsHookWarning,
             stacklevel=2,
         )
     return summary
 
 
-def _names(choices: list[Choice]) -> str:
-    return (", ".join(c.members[0].name for c in choices[:3]) + (", ..." if len(choices) > 3 else "")) or "none"
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _named(choice: Choice) -> str:
+    """A storage's first saved tensor, with the module that computed it."""
+    node = choice.members[0]
+    module = module_path(node)
+    return f"{node.name} ({module})" if module else node.name
+
+
+def _last_peak(result: Plan) -> int:
+    """The latest point holding the plan's peak (where the most storages are already at
+    full size: what no stored form can lower)."""
+    points, values = result.timeline()
+    top = max(values)
+    return max(p for p, v in zip(points, values) if v == top)
+
+
+def _floor_holders(result: Plan, point: int, most: int = 3) -> list[tuple[int, str]]:
+    """What ``result`` holds at ``point``, largest first, as ``(bytes, words)``: the
+    storages in use there at full size, those stored exact (and why), those at their fewest
+    bytes (per option), those a smaller form would not help, and what cannot be hooked.  At
+    most ``most`` storages are named per kind."""
+    in_use, kept_exact, smallest, other = [], [], {}, []
+    for c in result.choices:
+        if c.span.first <= point <= c.span.last:
+            in_use.append(c)
+        elif point < c.span.first and c.live(point):
+            if len(c.options) == 1:
+                kept_exact.append(c)
+            elif c.chosen is c.options[-1] or c.chosen.device_bytes == min(o.device_bytes for o in c.options):
+                smallest.setdefault(c.chosen.name, []).append(c)
+            else:
+                other.append(c)
+    out: list[tuple[int, str]] = []
+
+    def named(kind: list[Choice], words: str) -> None:
+        kind = sorted(kind, key=lambda c: -c.live(point))
+        total = sum(c.live(point) for c in kind)
+        if not total:
+            return
+        names = ", ".join(f"{_named(c)} {_size(c.live(point))}" for c in kind[:most])
+        more = f" and {len(kind) - most} more" if len(kind) > most else ""
+        out.append((total, f"{_size(total)} {words}: {names}{more}"))
+
+    named(in_use, "in use there at full size")
+    kept_exact.sort(key=lambda c: -c.live(point))
+    for c in kept_exact[:most]:
+        why = f" ({c.why_exact})" if c.why_exact else ""
+        out.append((c.live(point), f"{_named(c)} {_size(c.live(point))} kept exact{why}"))
+    named(kept_exact[most:], "kept exact in other storages")
+    for option, kind in smallest.items():
+        total = sum(c.live(point) for c in kind)
+        out.append((total, f"{_size(total)} already {option}, their fewest bytes ({len(kind)} storages)"))
+    named(other, "stored where fewer bytes would raise another point")
+    fixed = sum(span.live(point, n, n) for span, n in result.fixed)
+    if fixed:
+        out.append((fixed, f"{_size(fixed)} that cannot be hooked (integer tensors, graph inputs)"))
+    return sorted(out, key=lambda t: -t[0])
 
 
 def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple[dict[fx.Node, Recipe], list[BudgetPlanSummary]]:

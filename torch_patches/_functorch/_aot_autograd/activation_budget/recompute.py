@@ -46,14 +46,24 @@ def _recomputable(node: fx.Node) -> bool:
         return isinstance(node.args[0], fx.Node)  # its producer is checked on its own
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    if target._schema.is_mutable or any(
-        t in target.tags for t in (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
-    ):
+    if target._schema.is_mutable or torch.Tag.nondeterministic_bitwise in target.tags:
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(node):
         return False
     if target.namespace == "prims" and target.__name__.startswith("inductor_"):
         return False  # Inductor's seeds and random prims carry no nondeterministic tag
     vals = pytree.tree_leaves(node.meta.get("val"))
     return bool(vals) and all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def _no_dropout(node: fx.Node) -> bool:
+    """A seeded op that draws nothing: its ``dropout_p`` argument (attention) is 0."""
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
 
 
 def recompute_recipe(
@@ -126,3 +136,4 @@ def with_recipes(
             )
         )
     return out if found else None
+

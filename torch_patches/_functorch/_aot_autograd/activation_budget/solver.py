@@ -10,6 +10,9 @@ Solvers are looked up in :data:`SOLVERS` by name (``fit`` takes ``"greedy"``):
 * ``"greedy"`` (:func:`greedy_fit`): the multiple-choice knapsack's greedy over each
   choice's lower convex hull of (bytes, time), from the latest point of the backward to
   the forward's end (the constraints nest), with recompute steps re-priced lazily.
+
+The exact programme, and the planner's fit (it where it applies, else the greedy), are in
+:mod:`.exact`.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Choice:
     pins: tuple[int, ...] = ()  # choices that must stay "keep" if this one recomputes
     span: Span = dataclasses.field(default_factory=lambda: Span(0, 0))
     transient: int = 0  # bytes the recipe's other ops allocate while it runs
+    why_exact: str = ""  # what keeps lossy options from it (for messages)
 
     @property
     def keep(self) -> Option:

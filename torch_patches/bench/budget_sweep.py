@@ -1,0 +1,191 @@
+"""Budget sweep: ``torch_patches.hooks.budget(F)`` against stock ``activation_memory_budget = F``
+over a range of fractions, planned beside measured.
+
+``python -m torch_patches bench --budget-sweep`` builds the causal language models of
+``bench --train`` (Hugging Face Llama and GPT-2 from configs, random init; the text is
+bytes, ``--vocab`` widens the embedding, the head and the logits) and runs, each in a
+subprocess of its own (its own compile cache): the compiled model without hooks, and per
+fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
+torch_patches not applied).  Each row trains ``--steps`` steps (the first compiles) and
+measures one warm step's peak: on CPU the allocator's own account (the profiler's
+allocation events summed in time order, :func:`torch_patches.testing.peak_bytes`), on CUDA
+``max_memory_allocated``.  The RSS is no measure of one step on CPU: the allocator keeps
+freed pages resident, so a step's RSS rises by whatever its peak exceeds the last step's
+leftovers (on the issue's Llama, no hooks: 362 MB allocated at the peak, 100 MB of RSS
+growth; rows move by tens of MB from run to run).
+
+The table, per model and fraction: the plan's peak (the most the saved tensors hold at any
+point of the backward, summed over the compiled graphs) as a fraction of what they save
+without hooks, whether every graph's plan met its budget (or in how many graphs), or the
+floor it stopped at (the largest holders, from the plan's summary); the measured peak and the median step time of
+``budget(F)`` and of stock, as ratios against the row without hooks.  Below it: whether
+the measured peak of ``budget(F)`` never rises as F falls, and the fractions where it is
+above stock's by more than ``--tolerance``.
+
+Defaults are the sizes of the budget's acceptance check: 4 layers, hidden 512, 8 heads,
+sequences of 512, batch 4, vocabulary 8,192, Inductor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from torch_patches.bench.convergence import TrainConfig, run_in_subprocess
+
+
+DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+
+
+def _step(row: dict[str, Any]) -> tuple[int | None, float | None]:
+    seed = next(iter(row.get("seeds", {}).values()), None) if "error" not in row else None
+    return (seed["peak_bytes"], seed["step_ms"]) if seed else (None, None)
+
+
+def plan_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The plans of a ``budget:F`` row summed over its graphs: planned peak and saved bytes,
+    met (all graphs), the floors' holders."""
+    plans = row.get("plans") or []
+    if not plans:
+        return None
+    return {
+        "peak_bytes": sum(p["peak_bytes"] for p in plans),
+        # What the graphs save without hooks or budget: where the partitioner's cheap
+        # recomputation met the budget, the plan's baseline is what it left saved.
+        "baseline_bytes": sum(
+            p["baseline_bytes"] / p["partitioner_ratio"] if p.get("partitioner_met") else p["baseline_bytes"]
+            for p in plans
+        ),
+        "met": all(p["met"] for p in plans),
+        "graphs_met": (sum(p["met"] for p in plans), len(plans)),
+        "holders": [h for p in plans for h in p["floor_holders"][:2]],
+    }
+
+
+def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolerance: float) -> dict[str, Any]:
+    """Per fraction: plan, measured peaks and times as ratios to the row without hooks;
+    then monotonicity and the fractions above stock (beyond ``tolerance``)."""
+    base_peak, base_ms = _step(results["compiled"])
+    lines = []
+    for f in fractions:
+        ours, stock = results[f"budget:{f:g}"], results[f"amb:{f:g}"]
+        (op, oms), (sp, sms) = _step(ours), _step(stock)
+        plan = plan_of(ours)
+        lines.append({
+            "fraction": f,
+            "plan_peak": plan["peak_bytes"] / plan["baseline_bytes"] if plan and plan["baseline_bytes"] else None,
+            "plan_met": plan["met"] if plan else None,
+            "graphs_met": plan["graphs_met"] if plan else None,
+            "floor": plan["holders"] if plan and not plan["met"] else [],
+            "ours_peak_bytes": op,
+            "stock_peak_bytes": sp,
+            "ours_peak": op / base_peak if op is not None and base_peak else None,
+            "stock_peak": sp / base_peak if sp is not None and base_peak else None,
+            "ours_time": oms / base_ms if oms is not None and base_ms else None,
+            "stock_time": sms / base_ms if sms is not None and base_ms else None,
+            "errors": [r["error"] for r in (ours, stock) if "error" in r],
+        })
+    measured = [(line["fraction"], line["ours_peak_bytes"]) for line in lines if line["ours_peak_bytes"] is not None]
+    rises = [(a, b) for (a, pa), (b, pb) in zip(measured, measured[1:]) if pa > pb]  # lower F, higher peak
+    above = [
+        line["fraction"] for line in lines
+        if None not in (line["ours_peak_bytes"], line["stock_peak_bytes"])
+        and line["ours_peak_bytes"] > (1 + tolerance) * line["stock_peak_bytes"]
+    ]
+    return {"base_peak_bytes": base_peak, "base_step_ms": base_ms, "lines": lines, "rises": rises, "above_stock": above}
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(summary: dict[str, Any], tolerance: float) -> str:
+    out = [
+        "| F | plan peak / saved | plan | `budget(F)` peak x | stock peak x | `budget(F)` time x | stock time x |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for line in summary["lines"]:
+        plan = "-" if line["plan_met"] is None else ("met" if line["plan_met"] else "floor")
+        met, graphs = line["graphs_met"] or (0, 0)
+        if graphs > 1 and 0 < met < graphs:
+            plan = f"met in {met} of {graphs} graphs"
+        out.append(
+            f"| {line['fraction']:g} | {_x(line['plan_peak'])} | {plan} | {_x(line['ours_peak'])} | "
+            f"{_x(line['stock_peak'])} | {_x(line['ours_time'])} | {_x(line['stock_time'])} |"
+        )
+    base = summary["base_peak_bytes"]
+    out.append(f"\n(no hooks: {base / 2**20:.1f} MiB peak, {summary['base_step_ms']:.0f} ms a step)" if base else "")
+    rises = summary["rises"]
+    out.append(
+        "budget(F) measured peak: "
+        + ("never rises as F falls" if not rises else "rises from F=" + ", ".join(f"{a:g} to F={b:g}" for a, b in rises))
+        + "; "
+        + (f"at or below stock's + {tolerance:.0%} at every F" if not summary["above_stock"]
+           else "above stock's + {:.0%} at F = {}".format(tolerance, ", ".join(f"{f:g}" for f in summary["above_stock"])))
+    )
+    floors = {tuple(line["floor"]) for line in summary["lines"] if line["floor"]}
+    for floor in floors:
+        out.append("floor held by: " + "; ".join(floor))
+    for line in summary["lines"]:
+        for error in line["errors"]:
+            out.append(f"F={line['fraction']:g}: error: {error}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m torch_patches bench --budget-sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="llama,gpt2")
+    parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=6, help="steps per row (the first compiles; >= 4)")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tolerance", type=float, default=0.02, help="how far above stock's peak counts as above")
+    parser.add_argument("--json", default="bench-results/budget-sweep.json")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    fractions = sorted({float(f) for f in args.fractions.split(",") if f})
+    if not fractions or not all(0 < f <= 1 for f in fractions):
+        parser.error("--fractions: a comma list of fractions in (0, 1]")
+    if args.steps < 4:
+        parser.error("--steps: at least 4 (the first compiles, the third is measured, the rest timed)")
+    sizes = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab,
+                 steps=args.steps, eval_every=args.steps, eval_batches=1, backend=args.backend, device=args.device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
+          f"vocab {args.vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}", flush=True)
+    out = {"torch": torch.__version__, "sizes": sizes, "fractions": fractions, "models": {}}
+    for model in [m for m in args.models.split(",") if m]:
+        cfg = TrainConfig(model=model, **sizes)
+        rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
+        results = {}
+        for row in rows:
+            start = time.time()
+            results[row] = run_in_subprocess(cfg, row, [0])
+            print(f"  {model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+        summary = summarize(results, fractions, args.tolerance)
+        out["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
+        print(f"\n{model}:\n{format_table(summary, args.tolerance)}", flush=True)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nresults written to {args.json}")
+    failed = any(line["errors"] for m in out["models"].values() for line in m["summary"]["lines"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
