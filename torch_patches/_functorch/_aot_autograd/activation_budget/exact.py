@@ -11,7 +11,6 @@ more estimated time: why the planner fits exactly where it can.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     RECOMPUTE,
@@ -36,8 +35,8 @@ def exact_fit(result: Plan, floor: bool = True) -> int:
     of recomputes first used at ``k``; so a partial plan of the storages first used after
     ``k`` is summed up by its stored bytes, and of two partial plans, one with no more
     stored bytes and no more time is as good (no higher peak so far, when looking for the
-    floor).  Only those on that Pareto front are kept.  Exact, and exponential at worst: for checking the greedy on
-    instances of test size (it raises beyond :data:`EXACT_MAX_STATES` partial plans).
+    floor).  Only those on that Pareto front are kept.  Exact, and exponential at worst: it
+    raises ``RuntimeError`` beyond :data:`EXACT_MAX_STATES` partial plans at a point.
     Recompute options that pin other storages couple choices the programme takes one at
     a time, so it refuses them (``ValueError``).  With ``floor=False`` a budget nothing
     meets raises ``LookupError`` (and leaves the choices as they were) instead of looking
@@ -124,9 +123,8 @@ def exact_or_greedy_fit(result: Plan) -> int:
     """:func:`exact_fit` where it applies (no recompute option pins another storage, at
     most :data:`EXACT_MAX_STATES` partial plans at a point, a budget some plan meets),
     else :func:`greedy_fit`."""
-    if not any(c.pins and any(o.name == RECOMPUTE for o in c.options) for c in result.choices):
-        try:
-            return exact_fit(result, floor=False)
-        except (RuntimeError, LookupError):
-            pass  # the choices are untouched until the programme has its plan
+    try:
+        return exact_fit(result, floor=False)
+    except (ValueError, RuntimeError, LookupError):
+        pass  # the choices are untouched until the programme has its plan
     return greedy_fit(result)

@@ -136,4 +136,3 @@ def with_recipes(
             )
         )
     return out if found else None
-
