@@ -147,7 +147,7 @@ class TestApplyUnapply(TestCase):
     def test_offload_area_opt_out(self):
         originals = {p.name: _raw(p) for p in PATCHES}
         offload = {p.name for p in PATCHES if p.area == "offload"}
-        self.assertEqual(offload, {"inductor.free_without_reuse", "inductor.no_inplace_reuse"})
+        self.assertEqual(offload, {"inductor.free_without_reuse", "inductor.no_inplace_reuse", "inductor.offload_order_kept"})
         torch_patches.apply(offload=False)
         try:
             self.assertEqual(set(torch_patches.applied_patches()), {p.name for p in PATCHES} - offload)

@@ -209,6 +209,22 @@ PATCHES: tuple[Patch, ...] = (
         tests=("test/test_offload.py",),
         area="offload",
     ),
+    Patch(
+        name="inductor.offload_order_kept",
+        target="torch._inductor.memory:reorder_for_peak_memory",
+        replacement=f"{_TP}_inductor.memory:make_reorder_for_peak_memory",
+        wraps=True,
+        summary="[inductor] Keep the order of graphs holding offload ops in reorder_for_peak_memory",
+        upstream=f"{_BLOB}torch/_inductor/memory.py",
+        retire_when="Inductor's peak-memory model counts host buffers apart and sees the device memory an op "
+        "allocates for a later op's output",
+        fingerprints=_fp("inductor.offload_order_kept"),
+        depends_on=("torch._inductor.scheduler:Scheduler._init",),
+        after=("inductor.no_inplace_reuse",),
+        issue=39,
+        tests=("test/test_offload.py",),
+        area="offload",
+    ),
 )
 
 
@@ -246,7 +262,7 @@ EFFECTS: tuple[Effect, ...] = (
             home="torch._inductor.lowering",
             form=f"{_TP}_inductor.lowering:upstream_form",
             title="[inductor] Lower saved_tensors_hooks::offload: free its input without reuse",
-            after=("inductor.no_inplace_reuse",),
+            after=("inductor.offload_order_kept",),
         ),
         tests=("test/test_offload.py",),
     ),

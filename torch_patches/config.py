@@ -47,6 +47,13 @@ unpack_prefetch_distance: int = 0
 # memory earlier. Every other hook ignores it.
 reload_prefetch_distance: int = 4
 
+# cpu_offload() on CUDA: how many device-to-host copies of a device may still be running on
+# its copy stream when the next offload is issued. Beyond that, the compute stream waits
+# for the oldest copy (an event; the host never blocks) and its device memory goes back to
+# the caching allocator. More: the compute runs further ahead of the copies, and that many
+# offloaded tensors stay on the device meanwhile. 0: each offload waits for its own copy.
+offload_copies_in_flight: int = 2
+
 # Which saved tensors user hooks see, inlined or not.
 #  "float" (default): floating-point (and complex) saved tensors only. Masks, indices
 #      and other integer/bool tensors are saved as they are; the compiler's partitioner

@@ -18,36 +18,47 @@ them as fallback kernels, where the inliner placed them):
 On CPU tensors (``src`` on the CPU, ``device == cpu``) the ops are plain synchronous copies:
 results are bit-identical, no memory is saved (useful for tests and for the graphs).
 
-CUDA (written without a GPU to run it on; see the test file's CUDA-only tests):
+CUDA (checked on an H100, torch 2.11: ``benchmarks/gpu_offload_profile.py``):
 
 * one side stream per device does every copy, so a reload is ordered after the offload that
   wrote its input without any host synchronisation;
+* no ``record_stream``: a block a side stream used and the current stream freed would stay
+  out of the caching allocator's reach until the GPU itself passed the free, and the host
+  runs a whole step ahead of the GPU, so every offloaded block stayed reserved (measured:
+  reserved 1.8x of no hooks, allocated 0.55x).  Instead each device block changes hands by
+  an event the *current stream* waits for, and is freed on the current stream, where the
+  caching allocator reuses it in stream order at once;
 * ``offload``: ``side.wait_stream(current)`` (``src`` is complete), the device-to-host copy
-  into pinned memory (``pin_memory=True``; pageable memory makes the copy synchronous) on
-  ``side``, then ``src.record_stream(side)``: when ``src`` is freed, the caching allocator
-  does not hand its block to another allocation before the copy is done.  The returned CPU
-  tensor is complete only once ``side`` has run the copy: the only consumer that may read it
-  is ``reload_start`` (stream-ordered).  So ``cpu_offload()`` must be the *last* pair of a
+  into pinned memory (``pin_memory=True``, from torch's caching host allocator, a pool reused
+  once a copy's event has passed; pageable memory makes the copy synchronous) on ``side``, an
+  event after it.  The op keeps ``src`` until the current stream has waited for that event:
+  once more than ``config.offload_copies_in_flight`` copies of the device are pending, the
+  next ``offload`` (or any ``reload_start``) makes the current stream wait for the oldest
+  and lets its ``src`` go.  The compute stream thus runs at most that many copies ahead of
+  the copy engine; the host never blocks.  The returned CPU tensor is complete only once
+  ``side`` has run the copy: the only consumer that may read it is ``reload_start``
+  (stream-ordered).  So ``cpu_offload()`` must be the *last* pair of a
   :func:`~torch_patches.hooks.chain`, never followed by a pair that computes on the CPU
   tensor;
 * Inductor's buffer reuse: Inductor plans memory for one stream.  Once ``offload`` returns,
   Inductor considers ``src`` dead and may hand its buffer to a later kernel (``buf7 = buf3``)
-  while ``side`` still reads it; the caching allocator never sees that reuse, so
-  ``record_stream`` cannot protect it.  Inductor's own remedy, ``never_reuse_buffers``, also
-  keeps the buffer from being freed at all (alive to the end of the graph: no memory
-  saved).  We register an Inductor lowering for ``offload`` (the ordinary fallback kernel)
-  that marks the buffers it reads *free without reuse* (patch ``inductor.free_without_reuse``
-  in ``torch_patches/_inductor/codegen/wrapper.py``): a plain ``del`` at the op, back to the
-  caching allocator (held by ``record_stream`` until the copy is done), never a reuse
+  while ``side`` still reads it; the caching allocator never sees that reuse.  Inductor's
+  own remedy, ``never_reuse_buffers``, also keeps the buffer from being freed at all (alive
+  to the end of the graph: no memory saved).  We register an Inductor lowering for
+  ``offload`` (the ordinary fallback kernel) that marks the buffers it reads *free without
+  reuse* (patch ``inductor.free_without_reuse`` in
+  ``torch_patches/_inductor/codegen/wrapper.py``): a plain ``del`` at the op, never a reuse
   candidate, in place included (patch ``inductor.no_inplace_reuse``: Inductor realizes
   pointwise ops lazily, so ``gelu(mm)`` runs *after* the offload of ``mm``'s output and, as
-  its last reader, would write its output into that buffer in place).  The forward never waits for the device-to-host copy, so it overlaps the
-  compute that follows.
-* ``reload_start``: on ``side``, allocates the destination (so the block belongs to ``side``)
-  and copies host-to-device (``non_blocking``), records an event;
-* ``reload_wait``: ``current.wait_event(event)`` and ``dst.record_stream(current)`` (``dst``
-  was allocated on ``side`` and is used and freed on the current stream).  The host never
-  blocks.
+  its last reader, would write its output into that buffer in place).  And Inductor's
+  peak-memory reordering leaves graphs holding these ops in the inliner's order (patch
+  ``inductor.offload_order_kept``, ``torch_patches/_inductor/memory.py``): its model cannot
+  see the device memory ``reload_start`` allocates and moved every reload to the start of
+  the backward.
+* ``reload_start``: allocates the destination on the current stream (freed there by its last
+  user, in stream order), ``side.wait_stream(current)`` (the block's earlier users are
+  done), the host-to-device copy on ``side`` (``non_blocking``), an event;
+* ``reload_wait``: ``current.wait_event(event)``.  The host never blocks.
 
 Why a ticket instead of ``reload_start`` returning the destination and ``reload_wait(dst)``
 returning it again: an op made with ``torch.library.custom_op`` must return tensors that do
@@ -74,6 +85,7 @@ before the first use.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -101,14 +113,49 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _side_stream(device: torch.device) -> Any:
     """The per-device stream every offload/reload copy of that device runs on."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     with _streams_lock:
         stream = _side_streams.get(index)
         if stream is None:
             stream = _side_streams[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+@dataclasses.dataclass
+class _CopyOut:
+    src: Tensor  # the device tensor a side-stream copy reads; held until that copy is waited for
+    event: Any  # torch.cuda.Event recorded on the side stream after the copy
+
+
+#: Per device index: the device-to-host copies whose source is still held, oldest first.
+_copies_out: dict[int, collections.deque[_CopyOut]] = {}
+
+
+def _release_copied(device: torch.device, keep: int) -> None:
+    """Let go of the sources of all but the newest ``keep`` pending device-to-host copies of
+    ``device``: the current stream waits for each such copy first, so the freed block is
+    reused (on the current stream, in its order) only after the copy has read it."""
+    index = _index(device)
+    with _streams_lock:
+        pending = _copies_out.get(index)
+        done = [pending.popleft() for _ in range(len(pending) - keep)] if pending and len(pending) > keep else []
+    if done:
+        current = torch.cuda.current_stream(index)
+        for copy in done:
+            current.wait_event(copy.event)
+    # Dropping ``done`` drops the last references this module held to the sources.
+
+
+def _copies_in_flight() -> int:
+    from torch_patches import config
+
+    return max(0, int(config.offload_copies_in_flight))
 
 
 # ------------------------------------------------------------------------ offload
@@ -125,7 +172,7 @@ def offload(src: Tensor, pin_memory: bool) -> Tensor:
     """Copy ``src`` to host memory (pinned when ``pin_memory`` and ``src`` is on CUDA).
 
     On CUDA the copy is asynchronous, on the device's side stream; see the module docstring
-    for what keeps ``src`` intact until it is done.
+    for what keeps ``src`` intact until it is done and when its device memory is released.
     """
     if not _is_cuda(src.device):
         # CPU (and devices without a stream path): a synchronous copy.
@@ -138,7 +185,11 @@ def offload(src: Tensor, pin_memory: bool) -> Tensor:
     with torch.cuda.stream(side):
         # Pageable host memory makes this copy synchronous (non_blocking is ignored).
         out.copy_(src, non_blocking=pin_memory)
-    src.record_stream(side)
+        event = torch.cuda.Event()
+        event.record(side)
+    with _streams_lock:
+        _copies_out.setdefault(_index(src.device), collections.deque()).append(_CopyOut(src, event))
+    _release_copied(src.device, keep=_copies_in_flight())
     return out
 
 
@@ -183,10 +234,14 @@ def reload_start(
         dst.copy_(cpu)
         _in_flight[ticket] = _InFlight(dst, None, cpu)
     else:
+        # The backward has begun: the forward's copies out are waited for and let go.
+        _release_copied(device, keep=0)
         side = _side_stream(device)
+        # Allocated on the current stream, which frees it after its last use; side waits for
+        # the kernels the current stream has queued so far (the block's earlier users).
+        dst = _device_like(cpu, device, stride)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            # Allocated on side: the caching allocator gives a block free for side's use.
-            dst = _device_like(cpu, device, stride)
             dst.copy_(cpu, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
@@ -194,8 +249,15 @@ def reload_start(
     out = torch.tensor(ticket, dtype=torch.int64)
     # A ticket dropped unwaited (a backward that raised between the two ops) takes its
     # entry, and with it the destination's device memory, along.
-    weakref.finalize(out, _in_flight.pop, ticket, None)
+    weakref.finalize(out, _drop_unwaited, ticket)
     return out
+
+
+def _drop_unwaited(ticket: int) -> None:
+    entry = _in_flight.pop(ticket, None)
+    if entry is not None and entry.event is not None:
+        # The destination goes back to the current stream's pool: not before the copy into it.
+        torch.cuda.current_stream(entry.dst.device).wait_event(entry.event)
 
 
 @reload_start.register_fake
@@ -222,9 +284,7 @@ def reload_wait(
             "(each reload_start ticket is waited for exactly once)"
         )
     if entry.event is not None:
-        current = torch.cuda.current_stream(entry.dst.device)
-        current.wait_event(entry.event)
-        entry.dst.record_stream(current)
+        torch.cuda.current_stream(entry.dst.device).wait_event(entry.event)
     return entry.dst
 
 
