@@ -23,7 +23,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.16"],
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist>=3", "expecttest>=0.2", "hypothesis>=6", "numpy"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "expecttest>=0.2", "hypothesis>=6", "numpy", "matplotlib"],
         "upstream": ["ghstack"],
         # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs.
         # Their timm ViT needs timm installed apart, `pip install --no-deps timm`: timm

@@ -39,9 +39,15 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module(f"torch_patches.{name}")
+    if name in ("report", "MemoryReport"):
+        # torch_patches.report(step, budget=0.5): where one step's activation memory goes.
+        from torch_patches import memory_report
+
+        return getattr(memory_report, name)
     raise AttributeError(f"module 'torch_patches' has no attribute {name!r}")
 
 __all__ = [
+    "MemoryReport",
     "Patch",
     "PatchError",
     "PatchStatus",
@@ -54,6 +60,7 @@ __all__ = [
     "get_original",
     "installed_effects",
     "is_applied",
+    "report",
     "status",
     "unapply",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m torch_patches {status,demo,bench}``."""
+"""Command line: ``python -m torch_patches {status,demo,bench,report}``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
+#: The hooks ``report --hooks NAME`` takes: the library's ready-made pairs.
+REPORT_HOOKS = ("bf16", "fp8_rowwise", "int8_rowwise", "cpu_offload")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import torch
+
+    import torch_patches
+    from torch_patches.bench.models import report_step
+
+    if args.hooks is not None and args.budget is not None:
+        raise SystemExit("report: --hooks or --budget, not both")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_patches.apply()
+    step = report_step(args.model, device, backend=args.backend)
+    hooks = getattr(torch_patches.hooks, args.hooks)() if args.hooks else None
+    found = torch_patches.report(step, hooks=hooks, budget=args.budget, snapshot=args.snapshot and device == "cuda")
+    print(found.table())
+    paths = found.save(args.out, snapshot=args.snapshot and device == "cuda")
+    named = sum(1 for r in found.rows if r["module"])
+    print(f"\n{len(found.rows)} saved tensors ({named} named by their module); wrote " + ", ".join(sorted(paths.values())))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_patches")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -100,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
     p.add_argument("--hook", default="bf16", choices=("bf16", "fp8"))
     sub.add_parser("bench", help="memory/speed benchmark (see --help)", add_help=False)
+    p = sub.add_parser("report", help="where one training step's activation memory goes, per saved tensor")
+    p.add_argument("--model", required=True, choices=("llama", "gpt2", "vit", "mlp8"), help="a built-in model (small, random init)")
+    p.add_argument("--hooks", choices=REPORT_HOOKS, help="a ready-made hook pair active around the step")
+    p.add_argument("--budget", type=float, help="an activation-memory budget, a fraction of the saved bytes")
+    p.add_argument("--out", required=True, help="folder for report.txt, report.csv, timeline.png, pareto.png")
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--backend", default="inductor", choices=("aot_eager", "inductor"))
+    p.add_argument("--snapshot", action="store_true", help="on CUDA, also the allocator's record of the step")
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
         from torch_patches import bench
@@ -107,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"status": cmd_status, "demo": cmd_demo}[args.cmd](args)
+    return {"status": cmd_status, "demo": cmd_demo, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ class CompileFacts:
     #: Under an ambient fractional budget, the fraction the partitioner's cheap recomputation
     #: saves whether or not it met the budget (reported with the plan's summary).
     partition_cheap_ratio: float | None = None
+    #: While a report records: the partitioner's saved set at each activation_memory_budget
+    #: fraction, ``(fraction, saved activation bytes, estimated recomputation ms)`` (set by
+    #: the partitioner patch, copied onto the records by the inliner).
+    stock_pareto: list[Any] = dataclasses.field(default_factory=list)
     #: What the inliner decided, per compiled graph pair of this context
     #: (``saved_tensor_records.CompiledSavedTensors``, in compile order).
     saved_tensors: list[Any] = dataclasses.field(default_factory=list)

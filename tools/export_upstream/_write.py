@@ -385,6 +385,12 @@ LARGE_REASONS = {
         "the knobs and the dtype policy they read: a phase left out changes which saved tensors "
         "are hooked, so half of them is not a smaller inliner but a different one"
     ),
+    "add-saved_tensor_records": (
+        "the record every phase fills in, with what reads it (the observers, the log line, the "
+        "module and forward-span facts, the copy kept on the runtime metadata for cache hits): "
+        "a record without its readers cannot be checked, and a reader without the record has "
+        "nothing to read"
+    ),
 }
 
 

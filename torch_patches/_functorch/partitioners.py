@@ -67,12 +67,44 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     return total
 
 
+def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_info: Any) -> None:
+    """While a report records: the partitioner's own saved set at each fraction 0.1 to 1.0
+    (what ``activation_memory_budget = F`` gives), its activation bytes and the estimated
+    time of recomputing what the default partition saves and it does not (from the saved
+    set and the inputs), on the compilation's facts."""
+    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, recompute_ms
+    from torch_patches._functorch._aot_autograd.activation_budget.planner import PARETO_FRACTIONS
+
+    found = _compile_facts.facts()
+    if found is None:
+        return
+    default = original(joint_graph, node_info, memory_budget=1)
+    device = next((n.meta["val"].device for n in default if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    rates = Rates.for_device(device)
+    found.stock_pareto.clear()
+    for fraction in PARETO_FRACTIONS:
+        saved = default if fraction == 1 else original(joint_graph, node_info, memory_budget=fraction)
+        kept = set(saved) | set(node_info.inputs)
+        todo, rebuilt = [n for n in default if n not in kept], set()
+        while todo:
+            node = todo.pop()
+            if node in rebuilt or node in kept or node.op != "call_function":
+                continue
+            rebuilt.add(node)
+            todo.extend(node.all_input_nodes)
+        found.stock_pareto.append((fraction, _activation_bytes(saved, node_info.inputs), recompute_ms(rebuilt, rates)))
+
+
 def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``choose_saved_values_set``: under a budget pair, the partitioner's cheap exact
     recomputation when it meets the budget (module docstring)."""
 
     @functools.wraps(original)
     def choose_saved_values_set(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> list[Any]:
+        from torch_patches._functorch._aot_autograd import saved_tensor_records
+
+        if memory_budget == 1 and saved_tensor_records.observed():
+            _record_stock_pareto(original, joint_graph, node_info)
         fraction = ambient_budget_fraction() if memory_budget == 1 else None
         if fraction is None:
             return original(joint_graph, node_info, memory_budget=memory_budget)

@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                    "configs": [dataclasses.asdict(c) for c in configs], "results": all_results}, f)
     print(f"\nresults written to {args.json}")
     if plot(configs, all_results, args.png):
-        print(f"loss curves written to {args.png}")
+        print(f"eval-loss differences written to {args.png}")
     else:
         print("no loss curves: matplotlib is not installed (pip install -e \".[bench]\")")
     failed = any("error" in r for results in all_results for r in results)

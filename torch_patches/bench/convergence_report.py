@@ -68,9 +68,39 @@ def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [f"  warning, {n}" for n in notes])
 
 
-def plot(configs: list[Any], results: list[list[dict[str, Any]]], path: str) -> bool:
-    """Loss curves (train, smoothed; eval), mean over seeds, one column per model. False
-    without matplotlib."""
+def eval_differences(rows: list[dict[str, Any]], reference: str = "compiled") -> dict[str, dict[str, list[float]]]:
+    """Per row (but ``reference``): its eval loss against the reference's, in percent, at
+    each eval step, seed by seed (the same seed's batches and initialisation): ``steps``,
+    ``mean``, ``low`` and ``high`` (the seeds' spread)."""
+    ref = next((r for r in rows if r["row"] == reference and "seeds" in r), None)
+    if ref is None:
+        return {}
+    out = {}
+    for r in rows:
+        if r is ref or "seeds" not in r:
+            continue
+        seeds = [s for s in r["seeds"] if s in ref["seeds"]]
+        if not seeds:
+            continue
+        points = min(min(len(r["seeds"][s]["eval"]), len(ref["seeds"][s]["eval"])) for s in seeds)
+        curve: dict[str, list[float]] = {"steps": [], "mean": [], "low": [], "high": []}
+        for i in range(points):
+            diffs = [
+                100 * (r["seeds"][s]["eval"][i][1] - ref["seeds"][s]["eval"][i][1]) / ref["seeds"][s]["eval"][i][1]
+                for s in seeds
+            ]
+            curve["steps"].append(ref["seeds"][seeds[0]]["eval"][i][0])
+            curve["mean"].append(statistics.fmean(diffs))
+            curve["low"].append(min(diffs))
+            curve["high"].append(max(diffs))
+        out[r["row"]] = curve
+    return out
+
+
+def plot(configs: list[Any], results: list[list[dict[str, Any]]], path: str, reference: str = "compiled") -> bool:
+    """One column per model: each row's eval loss against ``reference``'s over the steps (in
+    percent, mean over seeds, the seeds' spread as a band), and below it the reference's own
+    eval loss. False without matplotlib."""
     try:
         import matplotlib
 
@@ -78,35 +108,31 @@ def plot(configs: list[Any], results: list[list[dict[str, Any]]], path: str) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(2, len(configs), figsize=(6.5 * len(configs), 8), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(configs), figsize=(6.5 * len(configs), 7), squeeze=False, gridspec_kw={"height_ratios": [2.2, 1]}
+    )
     for col, (cfg, rows) in enumerate(zip(configs, results)):
-        for r in rows:
-            if "seeds" not in r:
-                continue
-            runs = list(r["seeds"].values())
-            n = min(len(v["train"]) for v in runs)
-            train = [statistics.fmean(v["train"][i] for v in runs) for i in range(n)]
-            axes[0][col].plot(range(1, n + 1), _smooth(train), label=r["row"], linewidth=1)
+        top, bottom = axes[0][col], axes[1][col]
+        seeds = len(next((r for r in rows if "seeds" in r), {}).get("seeds", {}))
+        top.axhline(0.0, color="0.3", linewidth=1, label=reference)
+        for k, (name, c) in enumerate(eval_differences(rows, reference).items()):
+            color = f"C{k}"
+            top.plot(c["steps"], c["mean"], marker="o", markersize=3, linewidth=1.2, color=color, label=name)
+            top.fill_between(c["steps"], c["low"], c["high"], color=color, alpha=0.18, linewidth=0)
+        top.set_title(f"{cfg.model}: eval loss against {reference}, mean of {seeds} seeds (band: their spread)", fontsize=10)
+        top.set_ylabel("eval loss change, %")
+        top.grid(alpha=0.3)
+        top.legend(fontsize=7)
+        ref = next((r for r in rows if r["row"] == reference and "seeds" in r), None)
+        if ref is not None:
+            runs = list(ref["seeds"].values())
             points = min(len(v["eval"]) for v in runs)
             xs = [runs[0]["eval"][i][0] for i in range(points)]
-            ys = [statistics.fmean(v["eval"][i][1] for v in runs) for i in range(points)]
-            axes[1][col].plot(xs, ys, marker="o", markersize=3, label=r["row"], linewidth=1)
-        for row, what in enumerate(("train loss (smoothed)", "eval loss (held-out text)")):
-            ax = axes[row][col]
-            ax.set_title(f"{cfg.model}: {what}, mean of {len(rows[0].get('seeds', {}))} seeds")
-            ax.set_xlabel("step")
-            ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            bottom.plot(xs, [statistics.fmean(v["eval"][i][1] for v in runs) for i in range(points)], color="0.3", marker="o", markersize=3)
+        bottom.set_title(f"{reference}: eval loss (held-out text)", fontsize=9)
+        bottom.set_xlabel("step")
+        bottom.grid(alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     return True
-
-
-def _smooth(values: list[float], alpha: float = 0.05) -> list[float]:
-    out, acc = [], values[0]
-    for v in values:
-        acc = alpha * v + (1 - alpha) * acc
-        out.append(acc)
-    return out

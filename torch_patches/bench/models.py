@@ -154,3 +154,57 @@ def blocks_of(model: Any, case: Case) -> list[Any]:
     if case.model == "llama":
         return list(model.lm.model.layers)
     return list(model)
+
+
+def hf_vit(*, dim: int, layers: int, heads: int, image: int, patch: int, labels: int) -> Any:
+    """``transformers.ViTForImageClassification`` from a config, without dropout. Raises
+    ImportError without transformers."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * dim,
+        image_size=image, patch_size=patch, num_labels=labels, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def report_step(name: str, device: str, backend: str = "inductor") -> Callable[[], Any]:
+    """One training step (forward and backward, compiled with ``backend``) of a small
+    built-in model, for ``python -m torch_patches report``: ``llama``, ``gpt2`` (HF, 2
+    layers of width 128, vocab 1024, 2 x 128 tokens), ``vit`` (HF ViT, 2 layers of width 128,
+    32 x 32 images in 4 x 4 patches, batch 8) or ``mlp8`` (8 blocks of width 128, batch
+    2048). The HF models need transformers."""
+    import torch
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        if name in LANGUAGE_MODELS:
+            model = causal_lm_loss(LANGUAGE_MODELS[name](vocab=1024, dim=128, layers=2, heads=4, seq=128)).to(device)
+            inputs: tuple[Any, ...] = (torch.randint(0, 1024, (2, 128), generator=gen).to(device),)
+        elif name == "vit":
+            vit = hf_vit(dim=128, layers=2, heads=4, image=32, patch=4, labels=10).to(device)
+            labels = torch.randint(0, 10, (8,), generator=gen).to(device)
+
+            def vit_loss(pixels: Any) -> Any:
+                return vit(pixel_values=pixels, labels=labels).loss
+
+            model, inputs = vit_loss, (torch.randn(8, 3, 32, 32, generator=gen).to(device),)
+        elif name == "mlp8":
+            from torch_patches.bench.case import Case
+
+            model = build_model(Case(model="mlp8", device=device, batch=2048, dim=128)).to(device)
+            inputs = (torch.randn(2048, 128, generator=gen).to(device).requires_grad_(),)
+        else:
+            raise ValueError(f"unknown model {name!r}: llama, gpt2, vit or mlp8")
+    except ImportError as e:
+        raise RuntimeError(f"--model {name} needs transformers: pip install -e '.[models]'") from e
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        out = compiled(*inputs)
+        (out if out.dim() == 0 else out.square().mean()).backward()
+
+    return step
+

@@ -105,6 +105,12 @@ def _filtered_by_mode(
     return {saved_tensors[i] for i in idxs}
 
 
+def stock_pareto() -> tuple[tuple[float, int, float], ...]:
+    """The partitioner's pareto of this compilation (only while a report records)."""
+    found = _compile_facts.facts()
+    return tuple(found.stock_pareto) if found is not None else ()
+
+
 def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: set[fx.Node]) -> Any:
     """The backward's gradient-dependent nodes, and which of its outputs are gradients of
     inputs the caller keeps (parameters, leaves): AOTAutograd returns one gradient per
@@ -250,15 +256,24 @@ def inline(
         if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
     ]
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
+    fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
+    lengths = {"fw_len": len(fw_order), "bw_len": len(bw_order)}
+    sources = getattr(aot_config, "aot_autograd_arg_pos_to_source", None)
     scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors]
     if all(pair is None for _, pair in scoped):
+        if records.observed():  # a report: what a graph without hooks saves
+            records.publish(records.CompiledSavedTensors(
+                [records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
+                 for n in saved_tensors],
+                stock_pareto=stock_pareto(), **lengths,
+            ))
         return
     facts = _backward_facts(fw_module, bw_module, held)
     all_records = [
-        records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair)
+        records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
         for n, pair in scoped
     ]
-    compiled = records.CompiledSavedTensors(all_records)
+    compiled = records.CompiledSavedTensors(all_records, stock_pareto=stock_pareto(), **lengths)
     candidates = [r for r in all_records if r.pair is not None]
     allowed = _filtered_by_mode(
         fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices

@@ -26,7 +26,7 @@ from torch._functorch._aot_autograd import runtime_wrappers as _upstream_runtime
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches import _hook_identity as hook_keys
-from torch_patches._functorch._aot_autograd import graph_compile, utils as hook_utils
+from torch_patches._functorch._aot_autograd import graph_compile, saved_tensor_records as records, utils as hook_utils
 
 
 def _should_disable_saved_tensors_hooks() -> bool:
@@ -155,6 +155,7 @@ def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., A
         runtime_wrapper = original(*args, **kwargs)
         if not kwargs.get("trace_joint", False):
             return runtime_wrapper
+        records.keep_with(kwargs["runtime_metadata"])
         run = _runtime_context()
         if run is None:
             return runtime_wrapper

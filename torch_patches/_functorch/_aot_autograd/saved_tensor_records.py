@@ -44,7 +44,8 @@ from torch_patches._hook_kinds import SavedTensorInfo
 __all__ = [
     "ALIAS", "HOOKED", "RECOMPUTED", "UNHOOKED", "BudgetPlanSummary", "CompiledSavedTensors",
     "PlannedStorage",
-    "SavedTensorRecord", "collect", "log_records", "producer_of", "publish", "recording",
+    "SavedTensorRecord", "collect", "log_records", "observed", "producer_of", "publish", "recording",
+    "keep_with",
 ]
 
 # Decisions (``SavedTensorRecord.decision``).
@@ -76,6 +77,8 @@ class SavedTensorRecord:
             ``tolerance_why`` what limits it (None without hooks: not walked).
         span: (first, last) position in the backward graph of the nodes using it (before the
             rewrite), None when the backward does not use it.
+        fw_span: (producer, last use) position in the forward graph (before the rewrite; a
+            graph input's producer is its placeholder).
         decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`.
         decided_by: the phase that decided: ``"scope"`` (no hooks), ``"filter"``,
             ``"select"``, ``"budget"``, ``"alias"``, or ``"hooks"`` (taken as its scope's).
@@ -102,6 +105,7 @@ class SavedTensorRecord:
     tolerance: str | None
     tolerance_why: str | None
     span: tuple[int, int] | None
+    fw_span: tuple[int, int] | None = None
     decision: str = UNHOOKED
     decided_by: str = "scope"
     reason: str | None = None
@@ -210,6 +214,9 @@ class BudgetPlanSummary:
     #: the plan holds) and what holds it at its peak, largest first, in words.
     floor_bytes: int | None = None
     floor_holders: tuple[str, ...] = ()
+    #: Filled only while a report records: ``(fraction, planned peak bytes, estimated ms,
+    #: met)`` of the plan at fractions 0.1 to 1.0 of the saved bytes.
+    pareto: tuple[tuple[float, int, float, bool], ...] = ()
 
     def options(self) -> dict[str, str]:
         """Option per storage, keyed by the first saved tensor reading it."""
@@ -224,6 +231,14 @@ class CompiledSavedTensors:
     plans: list[BudgetPlanSummary] = dataclasses.field(default_factory=list)
     #: The hooks fell back to eager hooks (nothing was inlined): why.
     fallback: str | None = None
+    #: Nodes of the forward and backward graphs (before the rewrite): the records' positions
+    #: are along them.
+    fw_len: int = 0
+    bw_len: int = 0
+    #: Filled only while a report records (:func:`observed`): the partitioner's own saved
+    #: set at each ``activation_memory_budget`` fraction, ``(fraction, saved activation
+    #: bytes, estimated recomputation ms)`` (``torch_patches/_functorch/partitioners.py``).
+    stock_pareto: tuple[tuple[float, int, float], ...] = ()
 
     def __getitem__(self, name: str) -> SavedTensorRecord:
         for r in self.records:
@@ -242,21 +257,40 @@ _observers: contextvars.ContextVar[tuple[list[CompiledSavedTensors], ...]] = con
 )
 
 
+_reporting: contextvars.ContextVar[bool] = contextvars.ContextVar("saved_tensor_records_reporting", default=False)
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list[CompiledSavedTensors]]:
+def recording(report: bool = False) -> Iterator[list[CompiledSavedTensors]]:
     """Collect the :class:`CompiledSavedTensors` of every graph the inliner handles inside
-    the block (this thread and context), in compile order."""
+    the block (this thread and context), in compile order.  ``report``: also the graphs
+    without hooks, and each budget's and the partitioner's pareto (:func:`observed`)."""
     out: list[CompiledSavedTensors] = []
     token = _observers.set((*_observers.get(), out))
+    flag = _reporting.set(_reporting.get() or report)
     try:
         yield out
     finally:
+        _reporting.reset(flag)
         _observers.reset(token)
+
+
+def observed() -> bool:
+    """Whether a report records the compilations now: the extra records and plans it reads
+    (graphs without hooks, the paretos) cost compile time and are made only then."""
+    return _reporting.get()
+
+
+#: Attribute of the compiled graph's runtime metadata (``ViewAndMutationMeta``) holding its
+#: records: AOTAutogradCache saves that object with the graph, so a cache hit has them too.
+RECORDS_ATTR = "saved_tensors_hooks_records"
 
 
 def publish(compiled: CompiledSavedTensors) -> None:
     """The compilation's records are final: drop their compile-time references (graph
     nodes, hook pairs), keep them on the compilation's facts, hand them to the observers.
+    (The runtime-wrapper factory then puts the facts' records on the graph's runtime
+    metadata, :func:`keep_with`, which AOTAutogradCache saves.)
 
     Not on the graph modules' ``meta``: the compile caches hash and pickle the modules.
     """
@@ -267,6 +301,20 @@ def publish(compiled: CompiledSavedTensors) -> None:
         found.saved_tensors.append(compiled)
     for out in _observers.get():
         out.append(compiled)
+
+
+def keep_with(runtime_metadata: Any) -> None:
+    """When the compiled graph's runtime wrapper is made: a fresh compilation's records go
+    on its runtime metadata (``ViewAndMutationMeta``, saved with the graph by
+    AOTAutogradCache); a graph loaded from the cache (no inliner ran) hands the records saved
+    with it to the observers."""
+    found = _compile_facts.facts()
+    if found is not None and found.saved_tensors:
+        setattr(runtime_metadata, RECORDS_ATTR, tuple(found.saved_tensors))
+        return
+    for compiled in getattr(runtime_metadata, RECORDS_ATTR, ()):
+        for out in _observers.get():
+            out.append(compiled)
 
 
 def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> None:
@@ -342,13 +390,58 @@ def _span(bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> tuple[int, 
     return min(positions), max(positions)
 
 
+def input_module_path(placeholder: fx.Node, input_sources: list[Any] | None) -> str:
+    """The module owning a saved graph input (a parameter or buffer: ``fc1`` for
+    ``L['self']._modules['fc1']._parameters['weight']``), from the sources Dynamo gave
+    AOTAutograd's inputs (``aot_config.aot_autograd_arg_pos_to_source``); ``""`` for other
+    inputs or without sources."""
+    if not input_sources:
+        return ""
+    index = getattr(placeholder.meta.get("desc"), "idx", None)
+    if index is None:  # primals_<k>: the k-th input
+        found = re.fullmatch(r"primals_(\d+)", placeholder.name)
+        index = int(found.group(1)) - 1 if found else None
+    if index is None or not 0 <= index < len(input_sources) or input_sources[index] is None:
+        return ""
+    source = input_sources[index]
+    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", source))
+    owner = re.match(r"(.*)\._(?:parameters|buffers)\[['\"][^'\"]+['\"]\]$", name)
+    return named_module_path(owner.group(1)) if owner else ""
+
+
+def _module_of(node: fx.Node, input_sources: list[Any] | None) -> str:
+    """:func:`module_path`, or for a graph input :func:`input_module_path`.  A view (the
+    partitioner's weight transpose, AOTAutograd's detach of a saved output) has the module
+    of the tensor it views: its storage is that tensor's."""
+    while (
+        node.op == "call_function"
+        and getattr(node.target, "is_view", False)
+        and not node.meta.get("nn_module_stack")
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+    ):
+        node = node.args[0]
+    if node.op == "placeholder":
+        return input_module_path(node, input_sources)
+    return module_path(node)
+
+
+def _fw_span(saved: fx.Node, fw_order: dict[fx.Node, int] | None) -> tuple[int, int] | None:
+    if fw_order is None:
+        return None
+    uses = [fw_order[u] for u in saved.users if u.op != "output"]
+    return fw_order[saved], max(uses, default=fw_order[saved])
+
+
 def collect(
     saved: fx.Node,
     bw_input: fx.Node | None,
     bw_order: dict[fx.Node, int],
-    facts: saved_numerics.BackwardFacts,
+    facts: saved_numerics.BackwardFacts | None,
     storage_root: fx.Node,
     pair: Any,
+    fw_order: dict[fx.Node, int] | None = None,
+    input_sources: list[Any] | None = None,
 ) -> SavedTensorRecord:
     """The record of one saved tensor before any decision: what it is, its hooks' scope
     (``pair``, None: no hooks), and what the backward does with it."""
@@ -359,7 +452,7 @@ def collect(
     return SavedTensorRecord(
         name=saved.name,
         producer=producer_of(saved),
-        module=module_path(saved),
+        module=_module_of(saved, input_sources),
         dtype=val.dtype,
         shape=shape,
         nbytes=hook_utils.nbytes_of(saved),
@@ -371,6 +464,7 @@ def collect(
         tolerance=found.level if found is not None else None,
         tolerance_why=found.why if found is not None else None,
         span=_span(bw_input, bw_order),
+        fw_span=_fw_span(saved, fw_order),
         decision=UNHOOKED,
         decided_by="scope",
         reason=None if pair is not None else "no saved tensors hooks in its scope",

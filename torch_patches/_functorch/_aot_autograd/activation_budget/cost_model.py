@@ -144,6 +144,11 @@ def _flops(node: fx.Node) -> float:
         return 0.0
 
 
+def recompute_ms(nodes: Any, rates: Rates) -> float:
+    """Estimated time to run the forward ``nodes`` again (a recomputation's cost)."""
+    return sum(_node_ms(n, rates) for n in nodes)
+
+
 def graph_compute_ms(fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates) -> float:
     """The cost model's time of the forward and backward graphs' compute."""
     return sum(_node_ms(n, rates) for g in (fw_g, bw_g) for n in g.nodes)

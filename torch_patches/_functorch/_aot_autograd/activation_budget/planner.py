@@ -49,6 +49,7 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     SavedTensorRecord,
     module_path,
 )
+from torch_patches._functorch._aot_autograd.saved_tensor_records import observed as records_observed
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 from torch_patches.hooks import chain, cpu_offload, inlineable
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
@@ -203,6 +204,15 @@ def plan(
             candidate.preference = "least lossy"
         return candidate
 
+    # While a report records: the plan at every fraction of the saved bytes (its pareto).
+    pareto: tuple[tuple[float, int, float, bool], ...] = ()
+    if records_observed():
+        unit_sets = [choices]
+        if RECOMPUTE in spec.options:
+            with_recompute = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+            unit_sets += [with_recompute] if with_recompute is not None else []
+        pareto = _pareto(run, unit_sets, baseline)
+
     # The fastest plan: storage options first; recompute (its recipes are only looked for
     # then) where they cannot meet the budget.
     fastest = run(choices)
@@ -212,9 +222,9 @@ def plan(
         if recomputable is not None:
             fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
     if not fastest.met:
-        return _floor_plan(run, [u for u in (choices, recomputable) if u is not None], target)
+        return _with_pareto(_floor_plan(run, [u for u in (choices, recomputable) if u is not None], target), pareto)
     if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
-        return fastest  # nothing lossy to avoid
+        return _with_pareto(fastest, pareto)  # nothing lossy to avoid
     # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
     # each tier at the least time; taken unless the fastest is faster by more than the margin.
     if recomputable is None and RECOMPUTE in spec.options:
@@ -222,12 +232,33 @@ def plan(
     least_lossy = run(recomputable or choices, exact_first=True)
     margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
-        return least_lossy
+        return _with_pareto(least_lossy, pareto)
     fastest.preference = (
         f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}"
         + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
     )
-    return fastest
+    return _with_pareto(fastest, pareto)
+
+
+#: The fractions of its saved bytes a report's pareto plans each budget pair at.
+PARETO_FRACTIONS = tuple(round(0.1 * k, 1) for k in range(1, 11))
+
+
+def _pareto(run: Any, unit_sets: list[list[Choice]], baseline: int) -> tuple[tuple[float, int, float, bool], ...]:
+    """``(fraction, planned peak bytes, estimated ms, met)`` of the plan at each of
+    :data:`PARETO_FRACTIONS` of ``baseline``: the fastest plan meeting it, or the lowest peak
+    (compile-time work, done only while a report records)."""
+    points = []
+    for fraction in PARETO_FRACTIONS:
+        plans = [run(units, budget=round(fraction * baseline)) for units in unit_sets]
+        best = min(plans, key=lambda p: (not p.met, p.estimated_ms if p.met else p.peak[0]))
+        points.append((fraction, best.peak[0], best.estimated_ms, best.met))
+    return tuple(points)
+
+
+def _with_pareto(result: Plan, pareto: tuple[tuple[float, int, float, bool], ...]) -> Plan:
+    result.pareto = pareto
+    return result
 
 
 def _floor_plan(run: Any, candidates: list[list[Choice]], target: int) -> Plan:
@@ -282,6 +313,7 @@ def summarize(result: Plan) -> BudgetPlanSummary:
         units=units,
         partitioner_ratio=cheap,
         partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
+        pareto=getattr(result, "pareto", ()),
         floor_bytes=None if result.met else peak,
         floor_holders=tuple(text for _, text in holders),
     )
