@@ -44,7 +44,7 @@ import torch
 import torch_patches
 import torch_patches.hooks
 from torch_patches.bench.case import Case
-from torch_patches.bench.measure import _storages, saved_tensors_of
+from torch_patches.bench.measure import saved_bytes_by_device
 from torch_patches.bench.models import build_model, causal_lm_loss, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
 
@@ -122,24 +122,6 @@ ROW_SETS = {
     "table": ",".join(r for r in ROWS if r not in ("offload-no-reorder", "offload-aot-eager") and "llama" not in r),
     "llama": ",".join(r for r in ROWS if "llama" in r),
 }
-
-
-def held_by_device(y: torch.Tensor, exclude: list[torch.Tensor]) -> dict[str, int]:
-    """Bytes the autograd graph behind ``y`` holds for backward, per device."""
-    seen, todo, saved = set(), [y.grad_fn], []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        saved.extend(saved_tensors_of(node))
-        todo.extend(fn for fn, _ in node.next_functions)
-    skip = _storages(exclude)
-    out: dict[str, int] = collections.Counter()
-    for (device, ptr), n in _storages(saved).items():
-        if (device, ptr) not in skip:
-            out[device] += n
-    return dict(out)
 
 
 def frames_of(entry: dict[str, Any]) -> list[str]:
@@ -261,7 +243,7 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         with ctx:
             y = fn(x)
         if measure:
-            held.update(held_by_device(y, state))
+            held.update(saved_bytes_by_device(y, state))
         y.sum().backward()
         y = None
         x.grad = None

@@ -81,12 +81,10 @@ def saved_tensors_of(node: Any) -> list[Any]:
     return _tensor_leaves(found)
 
 
-def saved_bytes(output: Any, exclude: Iterable[Any] = ()) -> int:
-    """Bytes the autograd graph behind ``output`` (a tensor or a nested container of them)
-    holds for backward, counted exactly: every node reachable from the outputs' ``grad_fn``
-    through ``next_functions``, the tensors it saved (:func:`saved_tensors_of`), each
-    storage once, without the storages of ``exclude`` (parameters, inputs). Call it after
-    the forward and before backward."""
+def saved_tensors(output: Any) -> list[Any]:
+    """The tensors the autograd graph behind ``output`` (a tensor or a nested container of
+    them) holds for backward: every node reachable from the outputs' ``grad_fn`` through
+    ``next_functions``, the tensors it saved (:func:`saved_tensors_of`)."""
     seen, todo, saved = set(), [], []
     for t in _tensor_leaves(output):
         if t.grad_fn is not None:
@@ -98,7 +96,24 @@ def saved_bytes(output: Any, exclude: Iterable[Any] = ()) -> int:
         seen.add(node)
         saved.extend(saved_tensors_of(node))
         todo.extend(fn for fn, _ in node.next_functions)
-    return tensor_bytes(saved, exclude)
+    return saved
+
+
+def saved_bytes(output: Any, exclude: Iterable[Any] = ()) -> int:
+    """Bytes the autograd graph behind ``output`` holds for backward (:func:`saved_tensors`),
+    counted exactly, each storage once, without the storages of ``exclude`` (parameters,
+    inputs). Call it after the forward and before backward."""
+    return tensor_bytes(saved_tensors(output), exclude)
+
+
+def saved_bytes_by_device(output: Any, exclude: Iterable[Any] = ()) -> dict[str, int]:
+    """:func:`saved_bytes` per device (``"cuda:0"``, ``"cpu"``): where the held tensors are."""
+    skip = _storages(exclude)
+    out: dict[str, int] = {}
+    for (device, ptr), n in _storages(saved_tensors(output)).items():
+        if (device, ptr) not in skip:
+            out[device] = out.get(device, 0) + n
+    return out
 
 
 def _recording_pack(pack: Callable[[Any], Any], packed: list[Any]) -> Callable[[Any], Any]:
