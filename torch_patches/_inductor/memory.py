@@ -34,23 +34,19 @@ _METHODS = "methods"
 _METHODS_POSITION = 5  # nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, methods
 
 
-def offload_op_names() -> frozenset[str]:
-    """The ops whose device memory Inductor's peak-memory model cannot follow."""
-    return frozenset(
-        f"saved_tensors_hooks::{op}" for op in ("offload", "reload_start", "reload_wait")
-    )
+#: The ops whose device memory Inductor's peak-memory model cannot follow (schema names).
+OFFLOAD_OPS = frozenset(f"saved_tensors_hooks::{op}" for op in ("offload", "reload_start", "reload_wait"))
 
 
 def offload_nodes(nodes: Iterable[Any]) -> list[str]:
-    """Names of the buffers of the scheduler ``nodes`` that run one of
-    :func:`offload_op_names` (a fallback kernel each)."""
-    names = offload_op_names()
+    """Names of the buffers of the scheduler ``nodes`` that run one of :data:`OFFLOAD_OPS`
+    (a fallback kernel each)."""
     found = []
     for snode in nodes:
         for inner in snode.get_nodes():
             op = getattr(getattr(inner, "node", None), "op_overload", None)
             schema_name = getattr(getattr(op, "_schema", None), "name", None)
-            if schema_name in names:
+            if schema_name in OFFLOAD_OPS:
                 found.append(inner.get_name())
     return found
 

@@ -204,21 +204,24 @@ def plan(
             candidate.preference = "least lossy"
         return candidate
 
+    @functools.cache
+    def recipes() -> list[Choice] | None:
+        """The choices with their recompute options (looked for once, on first need)."""
+        if RECOMPUTE not in spec.options:
+            return None
+        return with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+
     # While a report records: the plan at every fraction of the saved bytes (its pareto).
     pareto: tuple[tuple[float, int, float, bool], ...] = ()
     if records_observed():
-        unit_sets = [choices]
-        if RECOMPUTE in spec.options:
-            with_recompute = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
-            unit_sets += [with_recompute] if with_recompute is not None else []
-        pareto = _pareto(run, unit_sets, baseline)
+        pareto = _pareto(run, [u for u in (choices, recipes()) if u is not None], baseline)
 
     # The fastest plan: storage options first; recompute (its recipes are only looked for
     # then) where they cannot meet the budget.
     fastest = run(choices)
     recomputable = None
-    if not fastest.met and RECOMPUTE in spec.options:
-        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+    if not fastest.met:
+        recomputable = recipes()
         if recomputable is not None:
             fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
     if not fastest.met:
@@ -227,8 +230,8 @@ def plan(
         return _with_pareto(fastest, pareto)  # nothing lossy to avoid
     # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
     # each tier at the least time; taken unless the fastest is faster by more than the margin.
-    if recomputable is None and RECOMPUTE in spec.options:
-        recomputable = with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+    if recomputable is None:
+        recomputable = recipes()
     least_lossy = run(recomputable or choices, exact_first=True)
     margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
