@@ -4,20 +4,25 @@
 #   bash benchmarks/gpu_check.sh     # from the repository root, on a machine with CUDA
 #
 # (On a machine without internet, put an expecttest wheel under .whl/ first.)
-# 1. tests: the CUDA variants of the offload, budget, hook-library and numerics suites;
-# 2. table: benchmarks/gpu_offload_profile.py --rows table, one process: mlp8 (8192 x 4096, and
-#    4x the batch at 1/4 the width) with no hooks, cpu_offload(), fp8_rowwise + cpu_offload,
+# 1. llama: benchmarks/gpu_offload_profile.py --rows llama, a Llama of about 1.2B parameters
+#    (batch $LLAMA_BATCH x sequence 2048, fp32), each decoder layer compiled on its own: no
+#    hooks, budget(0.3), stock's activation_memory_budget 0.3, cpu_offload(), fp8 + offload;
+# 2. tests: the CUDA variants of every test file (each failure's report is written as it
+#    happens, so a run cut by its timeout still shows why);
+# 3. tall: mlp8 at 4x the batch (activations dominate, the same compute per copied byte):
+#    no hooks, cpu_offload(), fp8 + offload, upstream's activation offloading on one stream;
+# 4. table: the same script's --rows table, one process: mlp8 (8192 x 4096, and 4x the batch
+#    at 1/4 the width) with no hooks, cpu_offload(), fp8_rowwise + cpu_offload,
 #    budget(0.2/0.3/0.5) beside stock's activation_memory_budget, eager save_on_cpu and
 #    upstream's activation offloading; the allocator's history of the offloaded step and the
-#    generated code's order of offloads and reloads;
-# 3. llama: the same script's --rows llama, a Llama of about 1.2B parameters (sequence
-#    2048), each decoder layer compiled on its own: no hooks, budget(0.3), stock 0.3,
-#    cpu_offload().
-# About ten minutes on an H100 (the CUDA tests about five); STAGES="table llama" runs a subset.
-# Writes pytest's report, the tables and their JSON under $OUT (default: ./gpu-check).
+#    generated code's order of offloads and reloads.
+# The first three take about seven minutes on an H100; STAGES="table" (say) runs a subset.
+# Writes pytest's report, the failures, the tables and their JSON under $OUT (default:
+# ./gpu-check).
 set -u
 OUT="${OUT:-gpu-check}"
-STAGES="${STAGES:-tests table llama}"
+STAGES="${STAGES:-llama tests tall}"
+LLAMA_BATCH="${LLAMA_BATCH:-4}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
@@ -30,30 +35,52 @@ if ! python3 -c "import expecttest" 2>/dev/null; then
         && export PYTHONPATH="/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 
-stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+stage_tests() {
+# -v: each test's outcome is written as it ends; the plugin writes each failure's report to
+# failures.txt at once: a run cut by its timeout still names them and says why.
+cat > /tmp/gpu_check_failures.py <<'PLUGIN'
+import os
 
-if stage tests; then
-# -v: each test's outcome is written as it ends, so a run cut by its timeout still names them.
-timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 120 -rfE --tb=short \
-    -k "cuda or CUDA" test/test_offload.py test/test_budget.py test/test_hooks_library.py \
-    test/test_inline_numerics.py > "$OUT/pytest.txt" 2>&1
+def pytest_runtest_logreport(report):
+    # Once, by the process that runs the session (under xdist the controller, not the worker).
+    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(os.environ["GPU_CHECK_FAILURES"], "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")
+PLUGIN
+: > "$OUT/failures.txt"
+GPU_CHECK_FAILURES="$OUT/failures.txt" PYTHONPATH="/tmp:$PYTHONPATH" TORCHINDUCTOR_COMPILE_THREADS=1 \
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -v -n "${TESTS_WORKERS:-14}" -p no:cacheprovider \
+    -p gpu_check_failures --timeout 240 -rfE --tb=short --durations=15 -k "${TESTS_K:-cuda or CUDA}" test > "$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/pytest.txt"
 grep -E "(FAILED|ERROR) |passed|failed" "$OUT/pytest.txt" | grep -v " PASSED " | tail -20
-fi
+}
 
-if stage table; then
+stage_table() {
 timeout "${TABLE_TIMEOUT:-240}" python3 benchmarks/gpu_offload_profile.py --rows table --out "$OUT" \
     --json "$OUT/table.json" --order-lines 40 > "$OUT/table.log" 2>&1
 echo "table rc=$?" | tee -a "$OUT/table.log"
 sed -n '/^history/,$p' "$OUT/profile.txt" | grep -v "^ROW"
-fi
+}
 
-if stage llama; then
+stage_llama() {
 mkdir -p "$OUT/llama"
-timeout "${LLAMA_TIMEOUT:-300}" python3 benchmarks/gpu_offload_profile.py --rows llama --no-code \
-    --out "$OUT/llama" --json "$OUT/llama/llama.json" > /tmp/gpu-check-llama.log 2>&1
+timeout "${LLAMA_TIMEOUT:-220}" python3 benchmarks/gpu_offload_profile.py --rows llama --no-code \
+    --llama-batch "$LLAMA_BATCH" --out "$OUT/llama" --json "$OUT/llama/llama.json" > "$OUT/llama/llama.log" 2>&1
 echo "llama rc=$?"
-grep -E "^(variant|no-hooks|budget|stock|offload)|Error" /tmp/gpu-check-llama.log | tail -8
-fi
+grep -E "^(variant|no-hooks|budget|stock|offload|fp8)|Error" "$OUT/llama/llama.log" | tail -8
+}
+
+stage_tall() {
+mkdir -p "$OUT/tall"
+timeout "${TALL_TIMEOUT:-150}" python3 benchmarks/gpu_offload_profile.py --rows tall --no-code \
+    --out "$OUT/tall" --json "$OUT/tall/tall.json" > "$OUT/tall/tall.log" 2>&1
+echo "tall rc=$?"
+grep -E "^(variant|no-hooks|upstream|offload|fp8)|Error" "$OUT/tall/tall.log" | tail -6
+}
+
+# The stages in the order STAGES names them.
+for s in $STAGES; do
+    "stage_$s"
+done

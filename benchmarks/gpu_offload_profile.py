@@ -12,8 +12,11 @@ the autograd graph holds for backward per device after the forward, and the medi
 time; ratios are against the same model's no-hooks row. Models: mlp8 at the GPU sizes
 (``--batch`` x ``--dim``, 8 blocks, fp32: weight gradients are 0.38x of its no-hooks peak, a
 floor no activation technique goes below), the same at 4x the batch and 1/4 the width
-(activations dominate), and a Llama of about 1.2B parameters at sequence 2048 with each
-decoder layer compiled on its own. For the ``offload`` row also:
+(``-wide``: activations dominate, little compute to hide copies behind), at 4x the batch and
+the same width (``-tall``: activations dominate, the same compute per copied byte), and a
+Llama of about 1.2B parameters at sequence 2048 with each decoder layer compiled on its own.
+Upstream's activation offloading runs with its separate stream and on one stream. For the
+``offload`` row also:
 
 * the allocator's history over one warm step (``torch.cuda.memory._record_memory_history``):
   the blocks alive at the peak, largest first, each with the frames that allocated it (the
@@ -55,7 +58,7 @@ class Row:
     """One measured configuration: a model, a backend, hooks (or none) and config overrides."""
 
     name: str
-    model: str = "mlp8"  # mlp8 (the --batch/--dim sizes), mlp8-wide (4x the batch, 1/4 the width), llama1b
+    model: str = "mlp8"  # mlp8 (--batch x --dim), mlp8-wide (4x the batch, 1/4 the width), mlp8-tall (4x the batch), llama1b
     backend: str = "inductor"  # or aot_eager, or eager (not compiled)
     hooks: Any = None  # a factory of the (pack, unpack) pair, or None
     inductor: tuple[tuple[str, Any], ...] = ()
@@ -106,21 +109,28 @@ ROWS: dict[str, Row] = {
         *(Row(f"stock-amb-{f}", functorch=(("activation_memory_budget", f),)) for f in (0.2, 0.3, 0.5)),
         Row("save_on_cpu-eager-hooks", hooks=_save_on_cpu),
         Row("upstream-offload", functorch=_UPSTREAM_OFFLOAD, joint_pass=_mark_all_for_offload),
+        Row("upstream-offload-one-stream", functorch=_UPSTREAM_OFFLOAD[:1], joint_pass=_mark_all_for_offload),
         *_rows("mlp8-wide", "-wide"),
         Row("budget-0.3-wide", "mlp8-wide", hooks=_budget(0.3)),
         Row("stock-amb-0.3-wide", "mlp8-wide", functorch=(("activation_memory_budget", 0.3),)),
+        *_rows("mlp8-tall", "-tall"),
+        Row("upstream-offload-one-stream-tall", "mlp8-tall", functorch=_UPSTREAM_OFFLOAD[:1], joint_pass=_mark_all_for_offload),
         Row("no-hooks-llama1b", "llama1b"),
         Row("budget-0.3-llama1b", "llama1b", hooks=_budget(0.3)),
         Row("stock-amb-0.3-llama1b", "llama1b", functorch=(("activation_memory_budget", 0.3),)),
         Row("offload-llama1b", "llama1b", hooks=cpu_offload),
+        Row("fp8+offload-llama1b", "llama1b", hooks=lambda: chain(fp8_rowwise(), cpu_offload())),
     ]
 }
 
 #: Named sets of rows (``--rows``): the diagnosis of the offload path, the GPU table.
 ROW_SETS = {
     "diagnose": "no-hooks,offload,offload-no-reorder,offload-aot-eager,fp8+offload",
-    "table": ",".join(r for r in ROWS if r not in ("offload-no-reorder", "offload-aot-eager") and "llama" not in r),
-    "llama": ",".join(r for r in ROWS if "llama" in r),
+    "table": ",".join(
+        r for r in ROWS if r not in ("offload-no-reorder", "offload-aot-eager") and not r.endswith(("-llama1b", "-tall"))
+    ),
+    "tall": ",".join(r for r in ROWS if r.endswith("-tall")),
+    "llama": ",".join(r for r in ROWS if r.endswith("-llama1b")),
 }
 
 
@@ -208,7 +218,9 @@ def build(row: Row, args: argparse.Namespace) -> tuple[Any, Any]:
             model = causal_lm_loss(hf_llama(vocab=vocab, dim=dim, layers=layers, heads=heads, seq=args.llama_seq, mlp_dim=mlp))
         ids = torch.randint(0, vocab, (args.llama_batch, args.llama_seq), generator=torch.Generator().manual_seed(0))
         return model.to(args.device), ids.to(args.device)
-    batch, dim = (args.batch * 4, args.dim // 4) if row.model == "mlp8-wide" else (args.batch, args.dim)
+    batch, dim = {"mlp8-wide": (args.batch * 4, args.dim // 4), "mlp8-tall": (args.batch * 4, args.dim)}.get(
+        row.model, (args.batch, args.dim)
+    )
     case = Case(model="mlp8", device=args.device, batch=batch, dim=dim, blocks=args.blocks)
     model = build_model(case).to(args.device)
     return model, torch.randn(batch, dim, device=args.device, requires_grad=True)
@@ -364,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{r['variant']:<24} error: {r['error']}")
             continue
         # Ratios against the no-hooks row of the same model.
-        suffix = next((s for s in ("-wide", "-llama1b") if r["variant"].endswith(s)), "")
+        suffix = next((s for s in ("-wide", "-tall", "-llama1b") if r["variant"].endswith(s)), "")
         ref = next((b for b in rows if b["variant"] == f"no-hooks{suffix}" and "step_ms" in b), {})
         base, base_t = ref.get("peak_MiB"), ref.get("step_ms")
         pk, t = r.get("peak_MiB"), r["step_ms"]

@@ -34,7 +34,7 @@ from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner, recompute, solver
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
-from torch_patches.bench.measure import block_working_set, saved_bytes
+from torch_patches.bench.measure import block_working_set, saved_bytes, saved_bytes_by_device, saved_tensors
 from torch_patches.bench.models import blocks_of, build_model, example_input
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
@@ -684,13 +684,27 @@ def _model(name, device, **kw):
     return model, x
 
 
+#: Every option but the offloads: on CUDA offload is exact and meets most budgets alone; tests
+#: about the lossy options and the floor plan without it (on the CPU nothing changes: there is
+#: no offload there).
+_NO_OFFLOAD = ("bf16", "int8", "fp8", "recompute")
+
+
+def _device_bytes(out, exclude, device):
+    """The bytes the autograd graph behind ``out`` holds on ``device``'s kind of device
+    (offloaded tensors are on the CPU: what a plan frees)."""
+    kind = torch.device(device).type
+    return sum(n for d, n in saved_bytes_by_device(out, exclude).items() if torch.device(d).type == kind)
+
+
 def _step(fn, model, x, hooks=None):
-    """One forward (returning the bytes it leaves saved) and backward; the gradients."""
+    """One forward (returning the bytes it leaves saved on the model's device) and backward;
+    the gradients."""
     ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
     params = list(model.parameters())
     with ctx:
         out = fn(x)
-    held = saved_bytes(out, exclude=[*params, x])
+    held = _device_bytes(out, [*params, x], x.device)
     out.sum().backward()
     grads = [p.grad.clone() for p in params]
     for p in params:
@@ -712,6 +726,14 @@ class TestBudgetOnModels(BudgetTestCase):
         margin = sum(p.numel() * p.element_size() for p in model.parameters()) + block_working_set(
             model, x, blocks_of(model, Case(model=name, device=device, **kw))
         )
+        if device != "cpu":
+            # Offloaded tensors stay on the device until the compute stream has waited for
+            # their copies (up to offload_copies_in_flight of them past their last use), which
+            # the plan does not model: that many of the largest saved tensors.
+            out = model(x)
+            largest = max(t.numel() * t.element_size() for t in saved_tensors(out))
+            del out
+            margin += tp_config.offload_copies_in_flight * largest
         for fraction in fractions:
             with self.subTest(fraction=fraction):
                 torch._dynamo.reset()
@@ -813,7 +835,9 @@ class TestBudgetOnModels(BudgetTestCase):
         fractions = sorted(peaks)
         for tighter, looser in zip(fractions, fractions[1:]):
             self.assertLessEqual(peaks[tighter], peaks[looser], (tighter, looser, peaks))
-        self.assertLess(peaks[0.9], no_hooks)
+        # On CUDA a loose plan's offloads may not lower the step's peak (their copies are in
+        # flight there); the tightest does.
+        self.assertLess(peaks[0.9] if device == "cpu" else peaks[0.1], no_hooks)
         unmet = [f for f in fractions if any(b is not None for b in floors[f])]
         self.assertIn(0.1, unmet)  # the logits in use where the backward starts
         self.assertEqual(len({floors[f] for f in unmet}), 1, floors)
@@ -826,7 +850,7 @@ class TestBudgetOnModels(BudgetTestCase):
         kinds = set()
         # Storage options (storage meets 0.4), and recompute (sigmoid from its input) where it
         # is the only option allowed.
-        for hooks in (budget(0.4), budget(0.8, options=("recompute",))):
+        for hooks in (budget(0.4, options=_NO_OFFLOAD), budget(0.8, options=("recompute",))):
             torch._dynamo.reset()
             self.plan_log.clear()
             _, got = _step(torch.compile(model, backend="aot_eager"), model, x, hooks)
@@ -840,7 +864,7 @@ class TestBudgetOnModels(BudgetTestCase):
             torch._dynamo.reset()
             _, want = _step(torch.compile(model, backend="aot_eager"), model, x, by_hand)
             self.assertGradsEqual(got, want, exact=True)
-        self.assertLessEqual({"keep", "recompute"}, kinds)  # CPU: no offload
+        self.assertLessEqual({"keep", "recompute"}, kinds)
         self.assertTrue(kinds & {"bf16", "int8", "fp8"}, kinds)
         # And the plan is deterministic: a fresh compile logs the same plan.
         first = list(self.plan_log.plans)
@@ -860,8 +884,10 @@ class TestBudgetOnModels(BudgetTestCase):
             _, got = _step(torch.compile(model, backend="aot_eager"), model, x, hooks)
             return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, ref))
 
+        # The lossy storage options (offload, exact, would meet these budgets on CUDA with no
+        # error at all: it is left out, as it is on the CPU).
         uniform = err(fp8_rowwise())
-        storage = ("bf16", "int8", "fp8", "offload", "fp8+offload")
+        storage = ("bf16", "int8", "fp8")
         tight, loose = err(budget(0.3, options=storage)), err(budget(0.8, options=storage))
         self.assertLessEqual(tight, uniform * 1.01)
         self.assertLess(loose, tight)
@@ -869,11 +895,15 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertLessEqual(err(budget(0.3)), uniform * 1.01)
         # Exact options first: recompute alone meets 0.8 (sigmoid from its input), within the
         # margin of the fastest (lossy) plan, so nothing is compressed.
-        self.assertEqual(err(budget(0.8)), 0.0)
+        self.assertEqual(err(budget(0.8, options=_NO_OFFLOAD)), 0.0)
         self.assertEqual(set(self.plan_log.choices().values()), {"keep", "recompute"})
         with tp_config.patch(activation_budget_lossy_margin=-1.0):  # the fastest plan, whatever it is
-            self.assertEqual(err(budget(0.8)), err(budget(0.8, options=storage)))
-            self.assertGreater(err(budget(0.8)), 0.0)
+            fastest, lossy = err(budget(0.8, options=_NO_OFFLOAD)), err(budget(0.8, options=storage))
+            if device == "cpu":  # there compressing is faster than recomputing the sigmoid
+                self.assertEqual(fastest, lossy)
+                self.assertGreater(fastest, 0.0)
+            else:  # on CUDA recomputing it is (exact)
+                self.assertLessEqual(fastest, lossy)
         self.assertEqual(err(budget(1.0)), 0.0)  # everything fits: nothing compressed
         # Recompute is exact: a budget it alone meets (sigmoid from its input) moves nothing.
         self.assertEqual(err(budget(0.8, options=("recompute",))), 0.0)
@@ -886,7 +916,7 @@ class TestBudgetOnModels(BudgetTestCase):
         _, with_hooks = _step(fn, model, x, budget(0.5))
         self.assertEqual(counter.frame_count, 1)
         with tp_config.patch(activation_memory_budget=0.5):
-            _, with_config = _step(fn, model, x)
+            held_config, with_config = _step(fn, model, x)
             _step(fn, model, x)
         # The config is part of every inlined graph's key: its own graph, the same plan.
         self.assertEqual(counter.frame_count, 2)
@@ -894,10 +924,13 @@ class TestBudgetOnModels(BudgetTestCase):
         _, plain = _step(fn, model, x)
         self.assertEqual(counter.frame_count, 3)
         with tp_config.patch(activation_memory_budget=0.3):
-            _, tighter = _step(fn, model, x)
+            held_tighter, tighter = _step(fn, model, x)
             _step(fn, model, x)
         self.assertEqual(counter.frame_count, 4)
-        self.assertNotEqual(tighter[0].tolist(), with_config[0].tolist())
+        if device == "cpu":  # a tighter plan is lossier
+            self.assertNotEqual(tighter[0].tolist(), with_config[0].tolist())
+        else:  # it offloads more (exact): it holds less on the device
+            self.assertLess(held_tighter, held_config)
         _, again = _step(fn, model, x)  # back to no budget: the earlier graph
         self.assertEqual(counter.frame_count, 4)
         self.assertGradsEqual(again, plain, exact=True)
@@ -938,7 +971,7 @@ class TestBudgetOnModels(BudgetTestCase):
 
         x = torch.randn(256, 64, device=device, requires_grad=True)
         w = torch.randn(64, 192, device=device, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(*budget(0.75)):
+        with torch.autograd.graph.saved_tensors_hooks(*budget(0.75, options=_NO_OFFLOAD)):
             out = torch.compile(attention, backend="aot_eager")(x, w)
         (planned, baseline, limit), = self.plan_log.summaries()
         shared = [u for u in self.plan_log.plans[0].units if len(u.saved) == 3]
@@ -950,14 +983,15 @@ class TestBudgetOnModels(BudgetTestCase):
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.01))
+            _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.01, options=_NO_OFFLOAD))
         msgs = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
         self.assertEqual(len(msgs), 1, [str(w.message) for w in caught])
         self.assertRegex(msgs[0], r"budget\(0.01 of the saved bytes.*scope 'ambient': its floor, the least the allowed "
                                   r"options hold, is (\d+) B \(0.35 of the saved bytes\), held at backward node \w+\.")
         # The backward starts with the last block: its up projection and sigmoid at full size,
         # beside the other blocks' tensors at their fewest bytes.
-        self.assertRegex(msgs[0], r"What holds it there: 696.0 KiB already int8, their fewest bytes \(12 storages\); "
+        eight_bit = "int8" if device == "cpu" else "(?:int8|fp8)"  # equal bytes: the cheaper on the device
+        self.assertRegex(msgs[0], rf"What holds it there: 696.0 KiB already {eight_bit}, their fewest bytes \(12 storages\); "
                                   r"512.0 KiB in use there at full size: mm_6 \(3.up\) 256.0 KiB, sigmoid_3 \(3\) 256.0 KiB\. "
                                   r"Planned at the floor")
         (plan,) = self.plan_log.plans
@@ -975,7 +1009,7 @@ class TestBudgetOnModels(BudgetTestCase):
             self.plan_log.clear()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _step(torch.compile(model, backend="aot_eager"), model, x, budget(fraction))
+                _step(torch.compile(model, backend="aot_eager"), model, x, budget(fraction, options=_NO_OFFLOAD))
             (plan,) = self.plan_log.plans
             self.assertFalse(plan.met)
             seen.append((plan.options(), plan.peak_bytes, plan.floor_bytes, plan.floor_holders))

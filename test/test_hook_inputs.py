@@ -365,6 +365,26 @@ class TestHookInputs(TestCase):
         self.assertIn("changing them recompiles", messages[0])
 
 
+class TestTrialTraceDevices(TestCase):
+    # A scope entered in a region is traced on a stand-in activation before the region
+    # compiles; hooks reading tensors on one device (CUDA on a GPU; "meta" here, which every
+    # build has) trace on a stand-in there, not on the CPU (CUDA variants of
+    # TestHookInputs run the whole path).
+    def test_stand_in_goes_where_the_hooks_tensors_are(self):
+        from torch_patches._functorch._aot_autograd import hook_tracing
+
+        scale = torch.ones(8, device="meta")
+        pair = hook_tracing.HookPair(*inlineable(lambda x: (x * scale).to(torch.bfloat16), lambda p: p.float() / scale), "scope")
+        error = hook_tracing.trial_trace(pair)  # the CPU's stand-in: the devices disagree
+        self.assertIsNotNone(error)
+        self.assertIn("meta", str(error))  # the device mismatch, in each torch version's words
+        self.assertIsNone(hook_tracing.trial_trace(pair, [torch.device("meta")]))
+        self.assertIsNone(hook_tracing.trial_trace(pair, [torch.device("cpu"), torch.device("meta")]))
+        # Untraceable on every device: the first device's error.
+        bad = hook_tracing.HookPair(*inlineable(lambda x: x * x.sum().item(), lambda p: p), "scope")
+        self.assertIn("cannot be inlined", str(hook_tracing.trial_trace(bad, [torch.device("meta"), torch.device("cpu")])))
+
+
 @pytest.mark.slow
 class TestHookInputsAcrossProcesses(TestCase):
     def step(self, cache_dir, scale, in_region):

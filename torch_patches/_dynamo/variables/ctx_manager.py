@@ -51,6 +51,14 @@ _GB_TYPE = "torch_patches: untraceable saved tensors hook"
 # ------------------------------------------------------------------ hook resolution
 
 
+def _region_devices(tx: Any, lifted: list[tuple[Any, Any]]) -> list[torch.device]:
+    """Where the scope's activations can live, in order (the trial trace's stand-ins go
+    there): the devices of the tensors its hooks read (``lifted``), then of the region's
+    tensor inputs so far."""
+    vals = [t.tensor for t, _ in lifted] + [n.meta.get("example_value") for n in tx.output.graph.find_nodes(op="placeholder")]
+    return list(dict.fromkeys(v.device for v in vals if isinstance(v, torch.Tensor)))
+
+
 def _source_name(source: Any) -> str:
     name = getattr(source, "name", None)
     return str(name() if callable(name) else name)
@@ -144,7 +152,12 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
         (pack, pack_src, pack_guard), (unpack, unpack_src, unpack_guard) = hooks
 
         pair = hook_tracing.HookPair(pack, unpack, "scope")
-        error = hook_tracing.trial_trace(pair)
+        # The tensors the hooks read become graph inputs (guarded on metadata); the hooks are
+        # guarded on the rest of their content.
+        lifted = region_scopes.lift_scope_inputs(
+            tx, [(role, fn, source) for role, (fn, source, _) in zip(("pack", "unpack"), hooks)]
+        )
+        error = hook_tracing.trial_trace(pair, _region_devices(tx, lifted))
         if error is not None:
             if not hook_tracing.dynamo_fullgraph():
                 graph_compile.warn_untraceable_once(
@@ -158,11 +171,6 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                 hints=["Make the hook pure and traceable (no .item(), I/O, data-dependent control flow)."],
                 from_exc=error,
             )
-        # The tensors the hooks read become graph inputs (guarded on metadata); the hooks are
-        # guarded on the rest of their content.
-        lifted = region_scopes.lift_scope_inputs(
-            tx, [(role, fn, source) for role, (fn, source, _) in zip(("pack", "unpack"), hooks)]
-        )
         for role, (fn, source, _) in zip(("pack", "unpack"), hooks):
             region_scopes.guard_hook_content(source, fn, region_scopes.lifted_paths(lifted, role))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -351,28 +351,38 @@ def _captured_tensors_as_constants(flat: list[Any]) -> Iterator[None]:
             m.allow_non_fake_inputs = value
 
 
-def trial_trace(pair: HookPair) -> SavedTensorsHookError | None:
+def trial_trace(pair: HookPair, devices: Sequence[torch.device] = ()) -> SavedTensorsHookError | None:
     """Trace ``pair`` on a stand-in activation (fake float32[4, 8]); the error, if any.
 
     Run by Dynamo when a scope is entered inside a compiled region, so an untraceable
-    hook is reported (or graph-broken around) before the region is compiled. The inliner
-    traces again on each real saved tensor.
+    hook is reported (or graph-broken around) before the region is compiled. The stand-in
+    is tried on each of ``devices`` (the region's: a hook reading a CUDA tensor traces on a
+    CUDA activation, not on a CPU one), the CPU where none is given; the hook traces if it
+    traces on one of them, else the first device's error. The inliner traces again on each
+    real saved tensor.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    # With a ShapeEnv, as in AOTAutograd: the same failures, for the same reasons.
-    with FakeTensorMode(shape_env=ShapeEnv()):
-        example = torch.empty(4, 8)
     sel = pair.kind.selection
     try:
         check_keyable(pair)
-        if sel is not None:  # traced as the inliner traces it: the inner hooks
-            pair = HookPair(sel.pack, sel.unpack, pair.label)
-        trace_pair(pair, example, aot_config=None, saved=None)
     except SavedTensorsHookError as e:
         return e
-    return None
+    if sel is not None:  # traced as the inliner traces it: the inner hooks
+        pair = HookPair(sel.pack, sel.unpack, pair.label)
+    first = None
+    for device in dict.fromkeys(devices or (torch.device("cpu"),)):
+        # With a ShapeEnv, as in AOTAutograd: the same failures, for the same reasons.
+        with FakeTensorMode(shape_env=ShapeEnv()):
+            example = torch.empty(4, 8, device=device)
+        try:
+            trace_pair(pair, example, aot_config=None, saved=None)
+        except SavedTensorsHookError as e:
+            first = first or e
+            continue
+        return None
+    return first
 
 
 def _purity_key(fn: Any) -> Any:
