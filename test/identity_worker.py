@@ -1,9 +1,13 @@
-"""One training step with one identity kind's hooks, in a fresh process (cache claims).
+"""Training steps with identity kinds' hooks, in a fresh process (cache claims).
 
     python test/identity_worker.py '{"kind": "module_attr", "value": 2.0}'
+    python test/identity_worker.py '{"runs": [{"kind": "closure", "value": 1.0, "cache_dir": "D1"}, ...]}'
 
-Sets the kind's hidden dependency to ``value`` (test/identity_deps.py), runs one Inductor
-step with the hooks, and prints one JSON line: AOTAutograd cache counters and gradients.
+For each run: sets the kind's hidden dependency to ``value`` (test/identity_deps.py), runs
+one Inductor step with the hooks (Dynamo reset, counters cleared, compile caches in the
+run's ``cache_dir`` where given), and prints one JSON line: AOTAutograd cache counters and
+gradients. Runs in one process share only what the C++ compiler built (the kernels of
+``fn``); each run's graphs are looked up in, and saved to, its own cache directory.
 """
 
 import json
@@ -23,20 +27,29 @@ def fn(x):
     return x.sin().exp().cos()
 
 
-def main():
-    spec = json.loads(sys.argv[1])
-    # upstream: not exported
-    torch_patches.apply()
-    torch._functorch.config.saved_tensors_hooks_filtering_mode = "all"
+def run(spec):
+    from torch._dynamo.utils import counters
+
+    if "cache_dir" in spec:  # read by Inductor's and AOTAutograd's caches at each lookup
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = spec["cache_dir"]
+    torch._dynamo.reset()
+    counters.clear()
     kind = identity_deps.KINDS[spec["kind"]]
     identity_deps.set_all(1.0)
     kind.set(spec["value"])
     x = torch.linspace(-1, 1, 32).view(4, 8).requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(*kind.hooks()):
         torch.compile(fn, backend=spec.get("backend", "inductor"))(x).sum().backward()
-    from torch._dynamo.utils import counters
+    print(json.dumps({"aot": dict(counters["aot_autograd"]), "grad": x.grad.flatten().tolist()}), flush=True)
 
-    print(json.dumps({"aot": dict(counters["aot_autograd"]), "grad": x.grad.flatten().tolist()}))
+
+def main():
+    spec = json.loads(sys.argv[1])
+    # upstream: not exported
+    torch_patches.apply()
+    torch._functorch.config.saved_tensors_hooks_filtering_mode = "all"
+    for one in spec.get("runs", [spec]):
+        run(one)
 
 
 if __name__ == "__main__":

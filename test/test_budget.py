@@ -379,7 +379,7 @@ class GraphModule(torch.nn.Module):
         mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
         return (mm, mm_1)""")
 
-    def test_recompute_refused_where_it_raises_the_peak(self, device):
+    def check_recompute_refused(self, device, backend):
         # The lm-head pattern: log_softmax's output is what its backward reads first.
         # Rebuilding it there holds the product x @ w and the output at once: twice what
         # keeping it holds. The plan keeps it and names the floor: the output in use.
@@ -388,29 +388,34 @@ class GraphModule(torch.nn.Module):
 
         x = torch.randn(16, 8, device=device, requires_grad=True)
         w = torch.randn(8, 32, device=device, requires_grad=True)
-        for backend in ("aot_eager", "inductor"):
-            torch._dynamo.reset()
-            self.plan_log.clear()
-            with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
-                *budget(0.5, options=("recompute",))
-            ):
-                warnings.simplefilter("always")
-                torch.compile(head, backend=backend, fullgraph=True)(x, w).backward()
-            logits = self.plan_log.units_of_shape([16, 32])
-            warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
-            self.assertEqual(len(warned), 1, warned)
-            (plan,) = self.plan_log.plans
-            self.assertEqual(plan.floor_bytes, plan.peak_bytes)
-            self.assertRegex(warned[0], r"its floor, .* held at backward node \w+[ .].* What holds it there: [\d.]+ KiB "
-                                        r"in use there at full size: \w+ 2.0 KiB")
-            if backend == "aot_eager":
-                self.assertEqual([u.option for u in logits], ["keep"], self.plan_log.plans)
-            else:
-                # Inductor saves the product itself (and log_softmax's statistics): rebuilding
-                # it before the first use holds no more than keeping it does there, and frees
-                # it from the forward's end to there. The floor takes it.
-                self.assertEqual([u.option for u in logits], ["recompute"], self.plan_log.plans)
-                self.assertLess(plan.planned_bytes, plan.peak_bytes)
+        torch._dynamo.reset()
+        self.plan_log.clear()
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
+            *budget(0.5, options=("recompute",))
+        ):
+            warnings.simplefilter("always")
+            torch.compile(head, backend=backend, fullgraph=True)(x, w).backward()
+        logits = self.plan_log.units_of_shape([16, 32])
+        warned = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
+        self.assertEqual(len(warned), 1, warned)
+        (plan,) = self.plan_log.plans
+        self.assertEqual(plan.floor_bytes, plan.peak_bytes)
+        self.assertRegex(warned[0], r"its floor, .* held at backward node \w+[ .].* What holds it there: [\d.]+ KiB "
+                                    r"in use there at full size: \w+ 2.0 KiB")
+        return plan, logits
+
+    def test_recompute_refused_where_it_raises_the_peak(self, device):
+        _, logits = self.check_recompute_refused(device, "aot_eager")
+        self.assertEqual([u.option for u in logits], ["keep"], self.plan_log.plans)
+
+    @pytest.mark.slow  # Inductor's compile; the same planner as the aot_eager twin above
+    def test_recompute_refused_where_it_raises_the_peak_inductor(self, device):
+        plan, logits = self.check_recompute_refused(device, "inductor")
+        # Inductor saves the product itself (and log_softmax's statistics): rebuilding it
+        # before the first use holds no more than keeping it does there, and frees it from
+        # the forward's end to there. The floor takes it.
+        self.assertEqual([u.option for u in logits], ["recompute"], self.plan_log.plans)
+        self.assertLess(plan.planned_bytes, plan.peak_bytes)
 
     def test_dynamic_shapes_recompute_without_recompiling(self, device):
         # The cost model reads sizes through their hints: evaluating a symbolic flop count

@@ -339,6 +339,7 @@ instantiate_device_type_tests(TestOurs, globals())
         with tempfile.TemporaryDirectory() as tmp:
             apply_to_overlay(os.path.join(tmp, "site"), ROOT, results)
 
+    @pytest.mark.slow  # a second export of the whole stack; fast twin: the CLI test's patches
     def test_deterministic(self):
         _, first = exported()
         _, second = run_export(ROOT, patches_module.PATCHES, REPO_ROOT, patches_module.EFFECTS)
@@ -383,7 +384,8 @@ instantiate_device_type_tests(TestOurs, globals())
                     rc = main(["export", "--out", out])
                 files = sorted(f for f in os.listdir(out) if f.endswith(".patch"))
                 summary = open(os.path.join(out, "SUMMARY.md")).read()
-                first = open(os.path.join(out, files[0])).read()
+                texts = [open(os.path.join(out, f)).read() for f in files]
+                first = texts[0]
         finally:
             patches_module.PATCHES = old
         text = buf.getvalue()
@@ -396,6 +398,9 @@ instantiate_device_type_tests(TestOurs, globals())
         self.assertFalse(any("no_such" in f or "builds_on_bad" in f for f in files))
         self.assertTrue(files[0].startswith("01-"))
         self.assertIn(f"Subject: [PATCH 01/{len(results):02d}] {results[0].subject}", first)
+        # Two exports (the CLI's and this process's) agree commit by commit: deterministic.
+        for text, r in zip(texts, results):
+            self.assertIn(r.diff, text, r.patch.name)
 
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
@@ -416,11 +421,17 @@ class TestUpstreamEquivalence(unittest.TestCase):
             failures = import_each_commit(results, ROOT, tmp, sys.executable, bounds[part], bounds[part + 1], tests)
         self.assertEqual(failures, [])
 
+    @pytest.fixture(autouse=True)
+    def _selected(self, request):
+        self.selected = request.session.items
+
     @pytest.mark.slow
     def test_each_commit_imports_alone(self):
-        # In CI: every commit imports alone (about 2 minutes). The carried tests too, commit
-        # by commit, are the upstream_stack tests below (python -m pytest
-        # test/test_export_upstream.py -m upstream_stack).
+        # Every commit imports alone (about 2 minutes of one core). The upstream_stack tests
+        # below import each commit too, then run the upstream tests it carries: where they
+        # run in the same session (the full suite, CI), this check is theirs.
+        if any(item.get_closest_marker("upstream_stack") for item in self.selected):
+            self.skipTest("each commit imports in the upstream_stack tests of this session")
         self.check_commits(0, tests=False)
 
     @pytest.mark.slow

@@ -110,6 +110,7 @@ class TestHookIdentity(IdentityTestCase):
                 deps.set_all(1.0)
                 self.check_change(name, 1.0, 2.0, device=device)
 
+    @pytest.mark.slow  # 25 generated changes; fast twin: test_every_kind_aot_eager (each kind, fixed values)
     @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
     @hypothesis.given(
         name=st.sampled_from(sorted(deps.KINDS)),
@@ -419,26 +420,36 @@ CROSS_PROCESS_KINDS = (
 
 @pytest.mark.slow
 class TestHookIdentityAcrossProcesses(TestCase):
-    """P1 (value A) and P2 (value B) share a cache dir; P3 (B) has an empty one: P2 == P3."""
+    """P1 (value A) and P2 (value B) share a cache dir; P3 (B) has an empty one: P2 == P3.
 
-    def run_worker(self, cache_dir, **spec):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    Each kind has a cache directory of its own; the P1 runs of every kind happen in one fresh
+    process, the P2 runs in another (they share only the C++ compiler's kernels)."""
+
+    def run_workers(self, runs):
+        """``runs`` (cache dir, spec) in one fresh process: their results, in order."""
+        env = dict(os.environ)
         env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        spec = {"runs": [dict(s, cache_dir=d) for d, s in runs]}
         proc = subprocess.run(
-            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900
         )
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["grad"] = torch.tensor(result["grad"])
-        return result
+        results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]]
+        for result in results:
+            result["grad"] = torch.tensor(result["grad"])
+        return results
 
     def test_one_dependency_changed_in_a_fresh_process(self):
-        with tempfile.TemporaryDirectory() as fresh:
-            p3 = self.run_worker(fresh, kind="global", value=2.0)
-        for name in CROSS_PROCESS_KINDS:
-            with self.subTest(kind=name), tempfile.TemporaryDirectory() as shared:
-                p1 = self.run_worker(shared, kind=name, value=1.0)
-                p2 = self.run_worker(shared, kind=name, value=2.0)
+        with tempfile.TemporaryDirectory() as root:
+            shared = {name: os.path.join(root, name) for name in CROSS_PROCESS_KINDS}
+            # P3 last: before each kind's run both processes ran the same kinds.
+            *first, p3 = self.run_workers(
+                [(shared[name], dict(kind=name, value=1.0)) for name in CROSS_PROCESS_KINDS]
+                + [(os.path.join(root, "fresh"), dict(kind="global", value=2.0))]
+            )
+            second = self.run_workers([(shared[name], dict(kind=name, value=2.0)) for name in CROSS_PROCESS_KINDS])
+        for name, p1, p2 in zip(CROSS_PROCESS_KINDS, first, second):
+            with self.subTest(kind=name):
                 self.assertEqual(p2["grad"], p3["grad"], atol=1e-6, rtol=1e-6)
                 self.assertFalse(torch.allclose(p1["grad"], p2["grad"]))
                 if deps.KINDS[name].lifted:
@@ -454,10 +465,12 @@ class TestHookIdentityAcrossProcesses(TestCase):
                 self.assertNotIn("autograd_cache_hit", p2["aot"])
 
     def test_same_hooks_hit_in_a_fresh_process(self):
-        for name in ("module_attr", "callable_instance", "nn_module_forward_code", "fx_wrap_leaf_code"):
-            with self.subTest(kind=name), tempfile.TemporaryDirectory() as shared:
-                p1 = self.run_worker(shared, kind=name, value=2.0)
-                p2 = self.run_worker(shared, kind=name, value=2.0)
+        kinds = ("module_attr", "callable_instance", "nn_module_forward_code", "fx_wrap_leaf_code")
+        with tempfile.TemporaryDirectory() as root:
+            runs = [(os.path.join(root, name), dict(kind=name, value=2.0)) for name in kinds]
+            first, second = self.run_workers(runs), self.run_workers(runs)
+        for name, p1, p2 in zip(kinds, first, second):
+            with self.subTest(kind=name):
                 self.assertEqual(p2["aot"].get("autograd_cache_hit"), 1, p2["aot"])
                 self.assertEqual(p1["grad"], p2["grad"], atol=0, rtol=0)
 

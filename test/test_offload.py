@@ -24,6 +24,7 @@ import re
 import unittest
 from typing import Any
 
+import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
@@ -355,6 +356,7 @@ class GraphModule(torch.nn.Module):
     def test_numerics_aot_eager(self, device: str) -> None:
         self.check_numerics(device, "aot_eager")
 
+    @pytest.mark.slow  # Inductor's compile; fast twins: the aot_eager numerics, the Inductor codegen test
     def test_numerics_inductor(self, device: str) -> None:
         self.check_numerics(device, "inductor")
 
@@ -416,6 +418,7 @@ class GraphModule(torch.nn.Module):
                 f"{buf} not freed right after its offload and last reader:\n{fw}",
             )
 
+    @pytest.mark.slow  # two Inductor compiles; fast twin: TestOffloadOrderPatch (the wrapper alone)
     def test_peak_memory_reorder_keeps_the_inliners_order(self, device: str) -> None:
         # Inductor's reorder_for_peak_memory counts offload's host copy as device memory and
         # cannot see the device tensor reload_start allocates (it outputs a 0-d CPU ticket):
@@ -529,6 +532,33 @@ class TestOffloadCUDA(TestCase):
         self.assertGradsEqual(got, ref, exact=True)
         self.assertLess(peak, 0.6 * ref_peak, (peak, ref_peak))
         self.assertLessEqual(active, peak + 2**20, (active, peak))
+
+
+# upstream: not exported
+class TestOffloadOrderPatch(unittest.TestCase):
+    # The wrapper of reorder_for_peak_memory alone (the patch form's; upstream changes the
+    # function itself), no compile: scheduler nodes holding an
+    # offload op get no candidate orders, other graphs keep theirs.
+    def test_graphs_with_offload_ops_keep_their_order(self) -> None:
+        from types import SimpleNamespace
+
+        from torch_patches._inductor.memory import make_reorder_for_peak_memory
+
+        def snode(name: str, op: Any) -> Any:
+            inner = SimpleNamespace(node=SimpleNamespace(op_overload=op), get_name=lambda: name)
+            return SimpleNamespace(get_nodes=lambda: [inner])
+
+        calls = []
+        wrapped = make_reorder_for_peak_memory(lambda nodes, *args, **kwargs: calls.append((args, kwargs)) or nodes)
+        plain = [snode("buf0", torch.ops.aten.mm.default), snode("buf1", None)]
+        held = [*plain, snode("buf2", torch.ops.saved_tensors_hooks.reload_start.default)]
+        orders = ["topological_sort_lpmf", "topological_sort_bfs"]
+        self.assertIs(wrapped(plain, {}, {}, set(), set(), orders), plain)
+        self.assertIs(wrapped(held, {}, {}, set(), set(), orders), held)
+        wrapped(held, {}, {}, set(), set(), methods=orders)
+        wrapped(plain, {}, {}, set(), set(), methods=orders)
+        self.assertEqual([c[0][4:] for c in calls[:2]], [(orders,), ([],)])
+        self.assertEqual([c[1] for c in calls[2:]], [{"methods": []}, {"methods": orders}])
 
 
 instantiate_device_type_tests(TestOffloadOps, globals())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import hashlib
 import importlib
 import inspect
@@ -321,8 +322,24 @@ def live_fingerprint(targets: Iterable[str]) -> str:
         raw = next((p.original for p in _INSTALLED if p.patch.target == target), raw)
         if raw is _MISSING:
             raise LookupError(f"{target} does not exist")
-        parts.append(fingerprint_source(inspect.getsource(_function_of(raw))))
+        parts.append(_definition_fingerprint(_function_of(raw)))
     return combine_fingerprints(parts)
+
+
+#: Fingerprints of live definitions, by definition site and code object: apply() checks the
+#: same originals at every call (a test suite applies and unapplies around each test), and
+#: reading and parsing their source again each time cost most of an apply.
+_DEFINITION_FINGERPRINTS: dict[tuple[str, Any], str] = {}
+
+
+def _definition_fingerprint(fn: Any) -> str:
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # getsource reads the unwrapped function
+    if code is None:  # a class: no code object to key on
+        return fingerprint_source(inspect.getsource(fn))
+    key = (code.co_filename, code)  # a new definition (or a reassigned __code__) is a new key
+    if key not in _DEFINITION_FINGERPRINTS:
+        _DEFINITION_FINGERPRINTS[key] = fingerprint_source(inspect.getsource(fn))
+    return _DEFINITION_FINGERPRINTS[key]
 
 
 # ---------------------------------------------------------------------------- targets
@@ -366,9 +383,19 @@ def _iter_module_dicts() -> Iterator[tuple[ModuleType, dict[str, Any]]]:
 
 def _scan_aliases(values: Iterable[Any]) -> dict[int, list[tuple[ModuleType, str]]]:
     """Every (module, name) in sys.modules that holds one of ``values`` by identity."""
+    values = list(values)
     wanted = {id(v) for v in values}
     found: dict[int, list[tuple[ModuleType, str]]] = {i: [] for i in wanted}
-    for module, d in _iter_module_dicts():
+    if not values:
+        return found
+    # The dicts that refer to a value, found by the collector in one C-level pass (a module's
+    # dict holding a function or class is always tracked): a few times faster than reading
+    # every value of every module, which apply() and unapply() did at each call.
+    modules = {id(d): (module, d) for module, d in _iter_module_dicts()}
+    for referrer in gc.get_referrers(*values):
+        module, d = modules.get(id(referrer), (None, None))
+        if d is not referrer:
+            continue
         for name, value in list(d.items()):
             if id(value) in wanted:
                 found[id(value)].append((module, name))

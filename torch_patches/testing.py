@@ -54,10 +54,18 @@ class TestCase(_HooksTestCase):
         if upstream_form_config_map() is not None:
             _use_upstream_form(self)  # torch's own sources hold the patches
         elif self.apply_patches:
+            # Applied once for the class's tests (apply() is idempotent: a no-op while
+            # applied; a test that unapplies gets it back at the next test) and unapplied
+            # after the last: an apply/unapply pair per test scanned every module twice.
             torch_patches.apply()
-            self.addCleanup(torch_patches.unapply)
         else:
             torch_patches.unapply()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        if cls.apply_patches and upstream_form_config_map() is None:
+            torch_patches.unapply()
+        super().tearDownClass()
 
 
 # ----------------------------------------------------------------- upstream form

@@ -306,7 +306,7 @@ class Exporter:
         src = self.tp_source(self.new_module_sources[module])
         first = src.tree.body[0] if src.tree.body else None
         is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-        head = ast.get_source_segment(src.text, first) + "\n\n" if is_doc else ""  # as written (r-strings...)
+        head = src.segment(first) + "\n\n" if is_doc else ""  # as written (r-strings...)
         return head + "from __future__ import annotations\n"
 
     def tp_source(self, module: str) -> Source:
@@ -944,7 +944,7 @@ class _Job:
             f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod")
         )
         others = [
-            ast.get_source_segment(src.text, d) or "?"
+            src.segment(d) or "?"
             for d, k in zip(t_node.decorator_list, kinds)
             if k not in ("staticmethod", "classmethod")
         ]
@@ -1457,7 +1457,7 @@ class _Job:
         """Line index before the config module's closing (TYPE_CHECKING / install call)."""
         body = src.tree.body
         idx = next(
-            (i for i, n in enumerate(body) if _CONFIG_MARK in (ast.get_source_segment(src.text, n) or "")),
+            (i for i, n in enumerate(body) if _CONFIG_MARK in (src.segment(n) or "")),
             None,
         )
         if idx is None:

@@ -55,6 +55,14 @@ class Source:
             self.offset(node.end_lineno, node.end_col_offset),  # type: ignore[attr-defined]
         )
 
+    def segment(self, node: ast.AST) -> str | None:
+        """``node``'s source text, as ``ast.get_source_segment`` gives it (which splits the
+        whole text again on every call: the export asks thousands of times)."""
+        if getattr(node, "end_lineno", None) is None:
+            return None
+        start, end = self.span(node)
+        return self.data[start:end].decode()
+
     def stmt_lines(self, node: ast.stmt, comments: bool = True) -> tuple[int, int]:
         """1-based inclusive line range of a statement with its decorators (and comments)."""
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])

@@ -318,11 +318,17 @@ class _Converter:
                     drop.add(node.name)
                 elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _binds(node) and not _binds(node) & self.needed:
                     self._remove(node)
+        left_out: list[tuple[int, int]] = []  # line ranges of the statements not exported
         for node in ast.walk(tree):
             if isinstance(node, ast.stmt) and node.lineno >= 2 and self.src.lines[node.lineno - 2].strip() == NOT_EXPORTED:
                 self.edits.append((*self.src.line_range_bytes(node.lineno - 1, node.end_lineno), ""))  # type: ignore[arg-type]
+                left_out.append((node.lineno, node.end_lineno))  # type: ignore[arg-type]
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and not self._inside_dropped(node, drop):
+            if (
+                isinstance(node, (ast.Import, ast.ImportFrom))
+                and not self._inside_dropped(node, drop)
+                and not any(a <= node.lineno <= b for a, b in left_out)  # goes with its statement
+            ):
                 start, end = self.src.span(node)
                 indent = " " * node.col_offset
                 new = self._import_text(node, indent)
