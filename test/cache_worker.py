@@ -1,8 +1,12 @@
-"""One training step in a fresh process, for the compile-cache tests.
+"""Training steps in a fresh process, for the compile-cache tests.
 
     python test/cache_worker.py '{"hook": "gm", "scale": 2.0, "backend": "inductor", ...}'
+    python test/cache_worker.py '{"runs": [{"hook": "gm", ..., "cache_dir": "D1"}, ...]}'
 
-Prints one JSON line: the AOTAutograd and Inductor cache counters, and the gradients.
+Prints one JSON line per step: the AOTAutograd and Inductor cache counters, and the
+gradients. Steps of one process run one after the other (Dynamo reset, counters cleared,
+config restored, compile caches in the step's ``cache_dir`` where given): they share only
+what the C++ compiler built.
 """
 
 import json
@@ -94,18 +98,20 @@ def model_in_region(x, w):
         return model(x, w)
 
 
-def main():
-    spec = json.loads(sys.argv[1])
-    torch_patches.apply()
+def run(spec):
+    from torch._dynamo.utils import counters
+
     from torch_patches import config
 
-    for knob, value in spec.get("config", {}).items():
-        setattr(config, knob, value)
+    if "cache_dir" in spec:  # read by Inductor's and AOTAutograd's caches at each lookup
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = spec["cache_dir"]
+    torch._dynamo.reset()
+    counters.clear()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 8, generator=gen, requires_grad=True)
     w = torch.randn(8, 8, generator=gen, requires_grad=True)
     global HOOKS
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, config.patch(spec.get("config", {})):
         warnings.simplefilter("always")
         if spec.get("in_region"):
             HOOKS = build_hooks(spec)
@@ -121,8 +127,6 @@ def main():
         # What the forward left for the backward (the plan's storage): bytes, inputs excluded.
         saved = saved_bytes(out, exclude=(x, w))
         out.sum().backward()
-    from torch._dynamo.utils import counters
-
     print(
         json.dumps(
             {
@@ -132,24 +136,42 @@ def main():
                 "saved_bytes": saved,
                 "warnings": hook_warnings(caught),
             }
-        )
+        ),
+        flush=True,
     )
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    torch_patches.apply()
+    for one in spec.get("runs", [spec]):
+        run(one)
 
 
 def run_in_fresh_process(spec, cache_dir):
     """Run one step of ``spec`` in a fresh process whose compile caches live in
     ``cache_dir``: (the finished process, its JSON line with the gradients as 8x8 tensors,
     or None if it failed)."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    proc, results = run_in_one_fresh_process([(spec, cache_dir)])
+    return proc, results[0] if results else None
+
+
+def run_in_one_fresh_process(runs):
+    """Run the steps ``runs`` ((spec, cache dir) each) one after the other in one fresh
+    process: (the finished process, their JSON lines with the gradients as 8x8 tensors, or
+    None if it failed)."""
+    env = dict(os.environ)
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    spec = {"runs": [dict(s, cache_dir=d) for s, d in runs]}
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, os.path.abspath(__file__), json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900
     )
     if proc.returncode != 0:
         return proc, None
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
-    return proc, result
+    results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]]
+    for result in results:
+        result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
+    return proc, results
 
 
 if __name__ == "__main__":

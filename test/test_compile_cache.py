@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 
-from cache_worker import run_in_fresh_process
+from cache_worker import run_in_fresh_process, run_in_one_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
 from torch_patches._hook_identity import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable
@@ -45,12 +45,19 @@ class TestCompileCache(TestCase):
         self.addCleanup(self.cache_dir.cleanup)
 
     def step(self, **spec):
-        spec.setdefault("hook", "gm")
-        spec.setdefault("scale", 2.0)
-        spec.setdefault("backend", "inductor")
-        proc, result = run_in_fresh_process(spec, self.cache_dir.name)
-        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        (result,) = self.steps(spec)
         return result
+
+    def steps(self, *specs, cache_dirs=None):
+        """``specs`` one after the other in one fresh process (each in its own cache dir
+        of ``cache_dirs``, else this test's): their results."""
+        runs = []
+        for i, spec in enumerate(specs):
+            spec = {"hook": "gm", "scale": 2.0, "backend": "inductor", **spec}
+            runs.append((spec, cache_dirs[i] if cache_dirs else self.cache_dir.name))
+        proc, results = run_in_one_fresh_process(runs)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        return results
 
     def assertSameGrads(self, result, other):  # noqa: N802
         self.assertGradsEqual(result["grads"], other["grads"], exact=True)
@@ -65,11 +72,13 @@ class TestCompileCache(TestCase):
     def test_same_hooks_hit_in_fresh_process(self):
         # The library's offload hooks call torch.ops.saved_tensors_hooks.offload: an attribute
         # name, not a captured object (the module's `offload` CustomOpDef is not read).
-        for hook in ("gm", "marked", "cpu_offload", "fp8_rowwise+cpu_offload"):
+        hooks = ("gm", "marked", "cpu_offload", "fp8_rowwise+cpu_offload")
+        # Every hook once in a fresh process (misses), then again in another (hits).
+        firsts = self.steps(*(dict(hook=hook) for hook in hooks))
+        seconds = self.steps(*(dict(hook=hook) for hook in hooks))
+        for hook, first, second in zip(hooks, firsts, seconds):
             with self.subTest(hook=hook):
-                first = self.step(hook=hook)
                 self.assertCache(first, "miss")
-                second = self.step(hook=hook)
                 self.assertCache(second, "hit")
                 self.assertEqual(second["inductor"].get("fxgraph_cache_miss", 0), 0)
                 # The hit runs the graphs compiled for these hooks, and only those: a
@@ -79,28 +88,29 @@ class TestCompileCache(TestCase):
     def test_changed_budget_misses_once(self):
         # The plan is a function of the budget: a changed budget misses (and plans anew),
         # the same budget hits, in the hook form and the config form alike.
-        for form in ("hook", "config"):
+        # Both forms, each in a cache directory of its own, side by side in each fresh process.
+        forms = ("hook", "config")
+        dirs = [os.path.join(self.cache_dir.name, form) for form in forms]
+
+        def step(fraction):
+            return self.steps(
+                dict(hook="budget", budget=fraction),
+                dict(hook="none", config={"activation_memory_budget": fraction}),
+                cache_dirs=dirs,
+            )
+
+        results = [step(f) for f in (0.5, 0.5, 1.0, 1.0, 0.5)]
+        for i, form in enumerate(forms):
             with self.subTest(form=form):
-                self.cache_dir.cleanup()
-                os.makedirs(self.cache_dir.name)
-
-                def step(fraction):
-                    if form == "hook":
-                        return self.step(hook="budget", budget=fraction)
-                    return self.step(hook="none", config={"activation_memory_budget": fraction})
-
-                half = step(0.5)
+                half, half_hit, whole, whole_again, again = (r[i] for r in results)
                 self.assertCache(half, "miss")
-                self.assertCache(step(0.5), "hit")
-                whole = step(1.0)  # everything fits: everything kept
-                self.assertCache(whole, "miss")
+                self.assertCache(half_hit, "hit")
+                self.assertCache(whole, "miss")  # everything fits: everything kept
                 # 0.5 keeps less for the backward (it recomputes or compresses relu's output),
                 # and a hit runs the plan its budget made.
                 self.assertLess(half["saved_bytes"], whole["saved_bytes"])
-                whole_again = step(1.0)
                 self.assertCache(whole_again, "hit")
                 self.assertEqual(whole_again["saved_bytes"], whole["saved_bytes"])
-                again = step(0.5)
                 self.assertCache(again, "hit")
                 self.assertEqual(again["saved_bytes"], half["saved_bytes"])
                 self.assertSameGrads(again, half)

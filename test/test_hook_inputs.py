@@ -24,6 +24,7 @@ guards its metadata, never its values or identity. Checked here:
 
 import contextlib
 import itertools
+import os
 import tempfile
 import warnings
 
@@ -387,21 +388,24 @@ class TestTrialTraceDevices(TestCase):
 
 @pytest.mark.slow
 class TestHookInputsAcrossProcesses(TestCase):
-    def step(self, cache_dir, scale, in_region):
-        spec = {"hook": "marked", "tensor_scale": True, "scale": scale, "backend": "inductor", "in_region": in_region}
-        from cache_worker import run_in_fresh_process
+    def steps(self, root, scale):
+        """Ambient and in-region hooks reading ``scale``, in one fresh process, each in its own
+        cache dir under ``root``: their results."""
+        from cache_worker import run_in_one_fresh_process
 
-        proc, result = run_in_fresh_process(spec, cache_dir)
+        runs = [
+            (dict(hook="marked", tensor_scale=True, scale=scale, backend="inductor", in_region=r), os.path.join(root, str(r)))
+            for r in (False, True)
+        ]
+        proc, results = run_in_one_fresh_process(runs)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        return result
+        return results
 
     def test_cache_hit_computes_with_its_own_value(self):
-        for in_region in (False, True):
+        with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
+            firsts, seconds, references = self.steps(shared, 2.0), self.steps(shared, 3.0), self.steps(alone, 3.0)
+        for in_region, first, second, reference in zip((False, True), firsts, seconds, references):
             with self.subTest(in_region=in_region):
-                with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:
-                    first = self.step(shared, 2.0, in_region)
-                    second = self.step(shared, 3.0, in_region)
-                    reference = self.step(alone, 3.0, in_region)
                 self.assertEqual(first["aot"].get("autograd_cache_miss", 0), 1, first["aot"])
                 self.assertEqual(second["aot"].get("autograd_cache_hit", 0), 1, second["aot"])
                 self.assertGradsEqual(second["grads"], reference["grads"], exact=True)
