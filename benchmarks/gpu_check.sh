@@ -44,7 +44,7 @@ cat > /tmp/gpu_check_failures.py <<'PLUGIN'
 import os
 
 def pytest_runtest_logreport(report):
-    # Once, by the process that runs the session (under xdist the controller, not the worker).
+    # Once, by the process that runs pytest (under xdist the controller, not the worker).
     if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(os.environ["GPU_CHECK_FAILURES"], "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")

@@ -429,9 +429,9 @@ class TestUpstreamEquivalence(unittest.TestCase):
     def test_each_commit_imports_alone(self):
         # Every commit imports alone (about 2 minutes of one core). The upstream_stack tests
         # below import each commit too, then run the upstream tests it carries: where they
-        # run in the same session (the full suite, CI), this check is theirs.
+        # run in the same pytest run (the full suite, CI), this check is theirs.
         if any(item.get_closest_marker("upstream_stack") for item in self.selected):
-            self.skipTest("each commit imports in the upstream_stack tests of this session")
+            self.skipTest("each commit imports in the upstream_stack tests of this pytest run")
         self.check_commits(0, tests=False)
 
     @pytest.mark.slow
