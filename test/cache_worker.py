@@ -148,14 +148,6 @@ def main():
         run(one)
 
 
-def run_in_fresh_process(spec, cache_dir):
-    """Run one step of ``spec`` in a fresh process whose compile caches live in
-    ``cache_dir``: (the finished process, its JSON line with the gradients as 8x8 tensors,
-    or None if it failed)."""
-    proc, results = run_in_one_fresh_process([(spec, cache_dir)])
-    return proc, results[0] if results else None
-
-
 def run_in_one_fresh_process(runs):
     """Run the steps ``runs`` ((spec, cache dir) each) one after the other in one fresh
     process: (the finished process, their JSON lines with the gradients as 8x8 tensors, or

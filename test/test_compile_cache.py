@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 
-from cache_worker import run_in_fresh_process, run_in_one_fresh_process
+from cache_worker import run_in_one_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
 from torch_patches._hook_identity import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable

@@ -327,8 +327,8 @@ def live_fingerprint(targets: Iterable[str]) -> str:
 
 
 #: Fingerprints of live definitions, by definition site and code object: apply() checks the
-#: same originals at every call (a test suite applies and unapplies around each test), and
-#: reading and parsing their source again each time cost most of an apply.
+#: same originals at every call (a process may apply and unapply many times), and reading and
+#: parsing their source again each time cost most of an apply.
 _DEFINITION_FINGERPRINTS: dict[tuple[str, Any], str] = {}
 
 
