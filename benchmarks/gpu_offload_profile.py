@@ -50,6 +50,7 @@ from torch_patches.bench.case import Case
 from torch_patches.bench.measure import saved_bytes_by_device
 from torch_patches.bench.models import build_model, causal_lm_loss, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
+from torch_patches.testing import saved_tensor_records
 
 MiB = 2**20
 
@@ -64,6 +65,7 @@ class Row:
     inductor: tuple[tuple[str, Any], ...] = ()
     functorch: tuple[tuple[str, Any], ...] = ()
     joint_pass: Any = None  # an inductor joint_custom_pre_pass (upstream's offload marks nodes)
+    patches: tuple[tuple[str, Any], ...] = ()  # torch_patches.config overrides
 
 
 def _budget(f: float) -> Any:
@@ -117,6 +119,7 @@ ROWS: dict[str, Row] = {
         Row("upstream-offload-one-stream-tall", "mlp8-tall", functorch=_UPSTREAM_OFFLOAD[:1], joint_pass=_mark_all_for_offload),
         Row("no-hooks-llama1b", "llama1b"),
         Row("budget-0.3-llama1b", "llama1b", hooks=_budget(0.3)),
+        Row("budget-0.3-every-point-llama1b", "llama1b", hooks=_budget(0.3), patches=(("activation_budget_bounds", "every_point"),)),
         Row("stock-amb-0.3-llama1b", "llama1b", functorch=(("activation_memory_budget", 0.3),)),
         Row("offload-llama1b", "llama1b", hooks=cpu_offload),
         Row("fp8+offload-llama1b", "llama1b", hooks=lambda: chain(fp8_rowwise(), cpu_offload())),
@@ -270,7 +273,7 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     inductor_cfg = dict(row.inductor)
     if row.joint_pass is not None:
         inductor_cfg["joint_custom_pre_pass"] = row.joint_pass
-    with inductor_config.patch(inductor_cfg), functorch_config.patch(dict(row.functorch)):
+    with inductor_config.patch(inductor_cfg), functorch_config.patch(dict(row.functorch)), torch_patches.config.patch(dict(row.patches)):
         t0 = time.perf_counter()
         if row.backend == "inductor" and name == "offload" and args.code:
             _, codes = run_and_get_code(step)
@@ -285,7 +288,18 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                     log(f"    {line}")
             out["code_files"] = files
         else:
-            step()
+            with saved_tensor_records() as compiled:
+                step()
+            # The budget plans of the compiled graphs (one per graph): what each planned.
+            out["plans"] = [
+                {
+                    "met": p.met, "bounds": p.bounds, "preference": p.preference,
+                    "planned_x": round(p.planned_bytes / max(p.baseline_bytes, 1), 3),
+                    "peak_x": round(p.peak_bytes / max(p.baseline_bytes, 1), 3),
+                    "options": dict(collections.Counter(u.option for u in p.units)),
+                }
+                for c in compiled for p in c.plans
+            ]
         sync()
         out["compile_s"] = time.perf_counter() - t0
         step(measure=True)

@@ -10,6 +10,11 @@ budget at the least estimated time. What is checked here:
   holds at the end of the forward are within 10% of the plan's prediction;
 * the plan is applied exactly as logged: the gradients equal those of hand-written
   ``select`` pairs doing what the log says, bit for bit on aot_eager;
+* blocks compiled one by one (a graph of several: its input comes from autograd): the
+  budget bounds each graph's forward's end, and the step holds the blocks' budgets plus
+  one block's backward; a whole model compiled at once is bounded at every point;
+* the least lossy plan, fitted without recompute where recomputes pin the budget out of
+  reach;
 * the config form equals the hook form; a budget entered inside a region plans its scope;
 * changing the budget recompiles once (and, in fresh processes, misses the cache once:
   test_compile_cache.py);
@@ -19,6 +24,7 @@ budget at the least estimated time. What is checked here:
   tightens from 0.9 to 0.1.
 """
 
+import collections
 import contextlib
 import types
 import warnings
@@ -31,7 +37,7 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner, recompute, solver
+from torch_patches._functorch._aot_autograd.activation_budget import cost_model, exact, planner, recompute, solver
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import block_working_set, saved_bytes, saved_bytes_by_device, saved_tensors
@@ -305,6 +311,42 @@ class TestTimeline(TestCase):
         self.assertEqual([c.chosen.name for c in floor.choices], ["fp8", "fp8"])
         self.assertEqual((floor.peak, floor.met, floor.live(-1), floor.live(5)), ((1250, 0), False, 500, 1000))
 
+    def test_a_graph_of_several_is_bounded_at_its_forward_end(self):
+        # The same storages in a graph that is one of several (backward_bytes: its points
+        # may hold up to the 2000 B it saves without hooks). 1300 B is met at the forward's
+        # end by compressing a alone, the cheaper, though a's first use then holds 2000 B
+        # beside b; exact and greedy agree. 400 B is not met: the floor brings the forward's
+        # end down (500 B) and names it.
+        def units(budget_bytes):
+            result = TestTimeline.plan(
+                budget_bytes,
+                ("a", 1000, (0, 0), [_opt("fp8", 250, 0.1)], 0),
+                ("b", 1000, (5, 5), [_opt("fp8", 250, 1.0)], 0),
+            )
+            result.backward_bytes = result.baseline_bytes
+            return result
+
+        for fit in (solver.greedy_fit, exact.exact_or_greedy_fit):
+            with self.subTest(fit=fit.__name__):
+                several = units(1300)
+                fit(several)
+                self.assertEqual([c.chosen.name for c in several.choices], ["fp8", "keep"])
+                self.assertEqual((several.met, several.predicted_bytes, several.peak), (True, 1250, (2000, 0)))
+        floor = units(400)
+        solver.greedy_fit(floor)
+        self.assertEqual([c.chosen.name for c in floor.choices], ["fp8", "fp8"])
+        self.assertEqual((floor.met, floor.bounded), (False, (500, -1)))
+        # Its backward's points stay bounded by backward_bytes: a recompute whose ops would
+        # hold more there is refused.
+        rebuilt = TestTimeline.plan(
+            500,
+            ("e", 1000, (1, 1), [], 0),
+            ("c", 1000, (2, 2), [_opt("recompute", 0, 0.1)], 1500),
+        )
+        rebuilt.backward_bytes = rebuilt.baseline_bytes
+        solver.greedy_fit(rebuilt)
+        self.assertEqual([c.chosen.name for c in rebuilt.choices], ["keep", "keep"])
+
     def test_recompute_refused_where_its_ops_raise_a_point_over_the_budget(self):
         # e is used first (and has no option), c after it. Recomputing c frees its bytes
         # until then, but the ops rebuilding it allocate `transient` bytes beside it.
@@ -538,6 +580,31 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(got, {"keep", "bf16"}, line)
         got, _ = choices(0.8, ("bf16", "int8"), -1.0)
         self.assertIn("int8", got)
+
+    def test_least_lossy_plan_where_recomputes_pin_the_budget_out_of_reach(self, device):
+        # mlp8 at 0.5: the least lossy greedy takes the cheap recomputes (each block's
+        # sigmoid from its up projection) first, which pins the projections to keep, and
+        # then misses the budget; fitted with the storage options alone, bf16 before int8,
+        # it meets it. That plan is taken: fewer int8 storages than the fastest plan's. The
+        # rates are the cost model's CPU figures on every device (as above).
+        model, x = _model("mlp8", device, **_SIZES["mlp8"])
+        rates = dict(activation_budget_memory_bandwidth=20.0, activation_budget_flops=0.2, activation_budget_kernel_overhead_us=2.0)
+
+        def plan(margin):
+            torch._dynamo.reset()
+            self.plan_log.clear()
+            with tp_config.patch(activation_budget_lossy_margin=margin, **rates):
+                _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.5, options=_NO_OFFLOAD))
+            (summary,) = self.plan_log.plans
+            return summary, collections.Counter(u.option for u in summary.units)
+
+        least_lossy, options = plan(0.05)
+        self.assertEqual((least_lossy.met, least_lossy.preference), (True, "least lossy"))
+        fastest, fastest_options = plan(-1.0)
+        self.assertTrue(fastest.met)
+        self.assertRegex(fastest.preference, r"^fastest: the least lossy plan is slower by")
+        self.assertIn("bf16", options)
+        self.assertLess(options["int8"] + options["fp8"], fastest_options["int8"] + fastest_options["fp8"])
 
     def test_met_budget_recomputes_nothing(self, device):
         def f(x, w):
@@ -848,6 +915,67 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertEqual(len({floors[f] for f in unmet}), 1, floors)
         self.assertEqual(len({peaks[f] for f in unmet}), 1, peaks)
 
+    def test_blocks_compiled_one_by_one_bound_their_forward_end(self, device):
+        # Each block its own graph, as FSDP2 and torchtitan compile: a block's input comes
+        # from autograd (the block before it), so the graph is one of several in its step
+        # and its budget bounds what it holds at its forward's end, while the other blocks
+        # run. Every point of a block's backward is not reachable at 0.3 (its up projection
+        # and sigmoid at full size there: 0.61 of what it saves), the forward's end is; the
+        # step holds the blocks' budgets plus one block's backward.
+        model, x = _model("mlp8", device, **_SIZES["mlp8"])
+        params = list(model.parameters())
+        margin = sum(p.numel() * p.element_size() for p in params) + block_working_set(model, x * 1, list(model))
+
+        def run(bounds, step_peak=False):
+            torch._dynamo.reset()
+            self.plan_log.clear()
+            blocks = [torch.compile(block, backend="aot_eager") for block in model]
+
+            def fn(x):
+                h = x * 1  # not a leaf: every block's input comes from autograd
+                for block in blocks:
+                    h = block(h)
+                return h
+
+            with tp_config.patch(activation_budget_bounds=bounds), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                held, _ = _step(fn, model, x, budget(0.3, options=_NO_OFFLOAD))
+                peak = peak_bytes(lambda: _step(fn, model, x, budget(0.3, options=_NO_OFFLOAD)), device) if step_peak else None
+            (plan,) = self.plan_log.plans  # one graph, shared by the blocks
+            return plan, held, peak, [str(w.message) for w in caught if "cannot be met" in str(w.message)]
+
+        plan, held, peak, warned = run("auto", step_peak=True)
+        self.assertEqual((plan.met, warned), (True, []))
+        self.assertEqual(plan.bounds, "the forward's end: one graph of several in its step (autograd produced its input L['x'])")
+        self.assertLessEqual(plan.planned_bytes, plan.budget_bytes)
+        self.assertGreater(plan.peak_bytes, plan.budget_bytes)  # its backward holds more
+        blocks = len(model)
+        self.assertLessEqual(abs(held - blocks * plan.planned_bytes), 0.01 * held, (held, plan.planned_bytes))
+        self.assertLessEqual(peak, blocks * plan.budget_bytes + margin, (peak, plan.budget_bytes, margin))
+        # Bounding every point of each block's backward: the floor, and a warning naming it.
+        floor, _, _, warned = run("every_point")
+        self.assertFalse(floor.met)
+        self.assertTrue(floor.bounds.startswith("every point: config.activation_budget_bounds"), floor.bounds)
+        self.assertEqual(len(warned), 1)
+        self.assertIn("(0.61 of the saved bytes), held at backward node", warned[0])
+
+    def test_whole_model_bounds_every_point_unless_configured(self, device):
+        model, x = _model("mlp8", device, **_SIZES["mlp8"])  # x is a leaf: the graph is the step
+        for bounds, met, where in (("auto", False, "every point: the graph is its step"), ("forward_end", True, "the forward's end")):
+            with self.subTest(bounds=bounds):
+                torch._dynamo.reset()
+                self.plan_log.clear()
+                with tp_config.patch(activation_budget_bounds=bounds), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.3, options=_NO_OFFLOAD))
+                (plan,) = self.plan_log.plans
+                self.assertEqual(plan.met, met)
+                self.assertTrue(plan.bounds.startswith(where), plan.bounds)
+        torch._dynamo.reset()
+        with tp_config.patch(activation_budget_bounds="layers"):
+            with self.assertRaisesRegex(Exception, r"torch_patches.config.activation_budget_bounds must be one of .* got 'layers'"):
+                _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.3))
+
     def test_plan_is_applied_as_logged(self, device):
         # The same gradients as hand-written select pairs doing what the log says; the
         # tensors it recomputes are exact, so by hand they are kept.
@@ -1022,16 +1150,17 @@ class TestBudgetOnModels(BudgetTestCase):
         self.assertEqual(seen[0][1], seen[0][2])
 
     def test_plan_is_fitted_exactly_where_the_solver_can(self, device):
-        # mlp8 at 0.6 is an instance where the greedy spends more estimated time than the
-        # least that meets the budget; the planner's solver ("auto": the exact programme
-        # where no recompute pins another storage) finds that least.
+        # mlp8 at 0.5 is an instance where the greedy spends more estimated time than the
+        # least that meets the budget (0.574 against 0.529 ms on the CPU); the planner's
+        # solver ("auto": the exact programme where no recompute pins another storage)
+        # finds that least.
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
         found = {}
         for name, fit in (("greedy", solver.greedy_fit), ("auto", planner.SOLVER)):
             torch._dynamo.reset()
             self.plan_log.clear()
             with mock.patch.object(planner, "SOLVER", fit):
-                _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.6))
+                _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.5, options=_NO_OFFLOAD))
             (plan,) = self.plan_log.plans
             found[name] = plan
         self.assertTrue(found["greedy"].met and found["auto"].met)

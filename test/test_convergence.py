@@ -72,6 +72,18 @@ class TestTrainBenchPieces(unittest.TestCase):
             with self.assertRaises(ValueError):
                 cv.Row.parse(bad)
 
+    def test_compiled_per_layer(self) -> None:
+        # --compile-per layer compiles each decoder layer on its own (the budget's graphs of
+        # several); the layers of both models are found.
+        with self.assertRaises(ValueError):
+            cv.TrainConfig(compile_per="block")
+        pytest.importorskip("transformers")
+        for model in ("llama", "gpt2"):
+            cfg = cv.TrainConfig(model=model, layers=3, dim=32, heads=2, seq=16, compile_per="layer")
+            layers = cv.decoder_layers(cv.build(cfg).lm)
+            self.assertEqual(len(layers), 3)
+            self.assertTrue(all(type(layer).__name__.endswith(("DecoderLayer", "Block")) for layer in layers), layers)
+
     def test_summary_compares_each_seed_with_its_own_reference(self) -> None:
         def run(evals: dict[str, float], peak: int, ms: float) -> dict:
             return {s: {"train": [3.0, 2.0], "eval": [(0, 5.0), (2, e)], "peak_bytes": peak, "step_ms": ms}

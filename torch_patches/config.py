@@ -122,6 +122,17 @@ activation_budget_partitioner_recompute: bool = True
 # than this fraction of the graph's estimated compute time.
 activation_budget_lossy_margin: float = 0.05
 
+# Which points of a compiled graph an activation memory budget bounds.
+#  "auto" (default): a graph that takes an activation autograd produced before it (a
+#      non-leaf input that requires grad: each block compiled on its own, as FSDP2 and
+#      torchtitan do, or a graph break) is one of several graphs of its step: the budget
+#      bounds what it holds at its forward's end, while the rest of the step runs, and its
+#      backward may hold up to what it saves without hooks (one graph's backward at a time).
+#      Any other graph is its whole step: the budget bounds every point of its backward.
+#  "every_point": every point of every graph's backward.
+#  "forward_end": the forward's end of every graph.
+activation_budget_bounds: str = "auto"
+
 # When a hook cannot be inlined (untraceable) and the compile is not fullgraph:
 #  "warn" (default): keep eager hook semantics for that graph, with one warning.
 #  "error": raise, as under fullgraph=True.

@@ -376,6 +376,11 @@ REVIEWABLE_LINES = 500
 
 #: Why a commit is bigger than :data:`REVIEWABLE_LINES` (said in ``SUMMARY.md``).
 LARGE_REASONS = {
+    "add-solver": (
+        "the solver's data types (options, spans, choices, the plan with its timeline and the "
+        "points it bounds) and the greedy that fits them are one unit: the greedy's constraints "
+        "are the plan's timeline, so neither half can be checked without the other"
+    ),
     "add-graph_surgery": (
         "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
         "rewrite of the graph pair: any one alone leaves graphs that do not run"

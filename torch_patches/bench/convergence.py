@@ -88,6 +88,11 @@ class TrainConfig:
     #: The models' vocabulary; the text is bytes (ids below 256), so a larger one only
     #: widens the embedding, the head and the logits (what a real tokenizer's would cost).
     vocab: int = VOCAB
+    #: What one ``torch.compile`` covers: the whole model, or each decoder layer on its own
+    #: (``"layer"``, as FSDP2 and torchtitan compile; embedding, head and loss eager).
+    compile_per: str = "model"
+    #: ``torch_patches.config.activation_budget_bounds`` for the ``budget:F`` rows.
+    budget_bounds: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -96,6 +101,8 @@ class TrainConfig:
             raise ValueError("steps and batch must be >= 1, seq >= 2")
         if self.vocab < VOCAB:
             raise ValueError(f"vocab must be at least {VOCAB} (the text is bytes), got {self.vocab}")
+        if self.compile_per not in ("model", "layer"):
+            raise ValueError(f"compile_per must be 'model' or 'layer', got {self.compile_per!r}")
 
 
 # --------------------------------------------------------------------------- data
@@ -163,6 +170,13 @@ def build(cfg: TrainConfig) -> Any:
     except ImportError as e:
         raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
     return causal_lm_loss(lm)
+
+
+def decoder_layers(lm: Any) -> list[Any]:
+    """The decoder layers of a model of :data:`MODELS` (Llama's ``model.layers``, GPT-2's
+    ``transformer.h``)."""
+    inner = getattr(lm, "model", None) or lm.transformer
+    return list(getattr(inner, "layers", None) or inner.h)
 
 
 # ---------------------------------------------------------------------------- rows
@@ -273,7 +287,14 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
         configs.enter_context(torch_patches.config.patch(numerics_allowlist=allowlist))
     if row.amb is not None:
         configs.enter_context(functorch_config.patch(activation_memory_budget=row.amb))
-    fn = torch.compile(model, backend=cfg.backend) if row.compiled else model
+    if row.budget is not None:
+        configs.enter_context(torch_patches.config.patch(activation_budget_bounds=cfg.budget_bounds))
+    fn = model
+    if row.compiled and cfg.compile_per == "layer":
+        for layer in decoder_layers(model.lm):
+            layer.compile(backend=cfg.backend)
+    elif row.compiled:
+        fn = torch.compile(model, backend=cfg.backend)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def forward(ids: Any) -> Any:

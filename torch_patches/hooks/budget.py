@@ -17,8 +17,12 @@ or, for every compiled graph that runs without other hooks, in torch's config st
 
 ``memory`` is a fraction in (0, 1] of the bytes the graph saves without hooks (its
 activations: parameters and other graph inputs that are not activations do not count), or
-an ``int`` number of bytes per compiled graph.  Entered inside a compiled region the pair
-plans the saved tensors of its own scope (the per-scope form).  Which options are allowed:
+an ``int`` number of bytes per compiled graph.  In a graph that is its whole step the
+budget bounds every point of the backward; in a graph that is one of several (an input of
+it produced by autograd: each block compiled on its own, a graph break) it bounds what the
+graph holds at its forward's end, while the other graphs run
+(``torch_patches.config.activation_budget_bounds``).  Entered inside a compiled region the
+pair plans the saved tensors of its own scope (the per-scope form).  Which options are allowed:
 ``options`` (default :data:`OPTIONS`; offload only for CUDA tensors); lossy options only
 for tensors :func:`~torch_patches.hooks.select.numerics_safe` accepts.  The cost model,
 the solver, recompute recipes and the glue are the package

@@ -106,6 +106,22 @@ def activation_inputs(
     return out
 
 
+def autograd_inputs(fw_module: fx.GraphModule, inner_meta: Any, static_input_indices: Iterable[int]) -> list[fx.Node]:
+    """The forward's placeholders that autograd produced before the graph: non-leaf
+    inputs that require grad, not parameters or buffers.  A graph with one is one
+    of several graphs of its step (per-block compilation, a graph break): other graphs'
+    saved tensors are held beside its own.  Leafness is the example input's, which Dynamo
+    does not guard (see the module).  Empty when the placeholders cannot be mapped to
+    input descriptors."""
+    placeholders, infos = described_placeholders(fw_module, inner_meta)
+    if len(infos) != len(placeholders):
+        return []
+    static = set(static_input_indices)
+    return [
+        ph for i, (ph, info) in enumerate(zip(placeholders, infos)) if i not in static and info.requires_grad and not info.is_leaf
+    ]
+
+
 def held_by_caller(fw_module: fx.GraphModule, inner_meta: Any, static_input_indices: Iterable[int]) -> set[fx.Node]:
     """Forward placeholders the caller keeps alive through the backward and the graph does
     not mutate: parameters and buffers (static inputs), inputs that do not require grad,

@@ -296,7 +296,13 @@ def inline(
     _mark_aliases(candidates)
     recomputed, compiled.plans = activation_budget.apply_plans(
         candidates,
-        activation_budget.GraphFacts(fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, {r.node: r for r in candidates}),
+        activation_budget.GraphFacts(
+            fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, {r.node: r for r in candidates},
+            tuple(
+                records.input_source_name(ph, sources) or ph.name
+                for ph in act_inputs.autograd_inputs(fw_module, inner_meta, static_input_indices)
+            ),
+        ),
     )
     if allowed is not None:
         _drop_partially_hooked(candidates, saved_tensors, inputs)

@@ -217,6 +217,9 @@ class BudgetPlanSummary:
     #: Filled only while a report records: ``(fraction, planned peak bytes, estimated ms,
     #: met)`` of the plan at fractions 0.1 to 1.0 of the saved bytes.
     pareto: tuple[tuple[float, int, float, bool], ...] = ()
+    #: Which points the budget bounds and why: every point of the backward (a graph that is
+    #: its step), or the forward's end (one graph of several: ``config.activation_budget_bounds``).
+    bounds: str = ""
 
     def options(self) -> dict[str, str]:
         """Option per storage, keyed by the first saved tensor reading it."""
@@ -330,9 +333,9 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
                 p.scope, p.partitioner_ratio, "it meets the budget" if p.partitioner_met else "the plan starts from the default partition",
             )
         artifact.debug(
-            "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s)",
+            "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s); bounds: %s",
             p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
-            p.estimated_ms, "met" if p.met else "NOT met", p.preference,
+            p.estimated_ms, "met" if p.met else "NOT met", p.preference, p.bounds,
         )
         if p.floor_bytes is not None:
             artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))
@@ -390,11 +393,9 @@ def _span(bw_input: fx.Node | None, bw_order: dict[fx.Node, int]) -> tuple[int, 
     return min(positions), max(positions)
 
 
-def input_module_path(placeholder: fx.Node, input_sources: list[Any] | None) -> str:
-    """The module owning a saved graph input (a parameter or buffer: ``fc1`` for
-    ``L['self']._modules['fc1']._parameters['weight']``), from the sources Dynamo gave
-    AOTAutograd's inputs (``aot_config.aot_autograd_arg_pos_to_source``); ``""`` for other
-    inputs or without sources."""
+def input_source_name(placeholder: fx.Node, input_sources: list[Any] | None) -> str:
+    """The source Dynamo gave a graph input (``L['hidden_states']``), from
+    ``aot_config.aot_autograd_arg_pos_to_source``; ``""`` without one."""
     if not input_sources:
         return ""
     index = getattr(placeholder.meta.get("desc"), "idx", None)
@@ -404,8 +405,15 @@ def input_module_path(placeholder: fx.Node, input_sources: list[Any] | None) -> 
     if index is None or not 0 <= index < len(input_sources) or input_sources[index] is None:
         return ""
     source = input_sources[index]
-    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", source))
-    owner = re.match(r"(.*)\._(?:parameters|buffers)\[['\"][^'\"]+['\"]\]$", name)
+    return source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", source))
+
+
+def input_module_path(placeholder: fx.Node, input_sources: list[Any] | None) -> str:
+    """The module owning a saved graph input (a parameter or buffer: ``fc1`` for
+    ``L['self']._modules['fc1']._parameters['weight']``), from the sources Dynamo gave
+    AOTAutograd's inputs (:func:`input_source_name`); ``""`` for other inputs or without
+    sources."""
+    owner = re.match(r"(.*)\._(?:parameters|buffers)\[['\"][^'\"]+['\"]\]$", input_source_name(placeholder, input_sources))
     return named_module_path(owner.group(1)) if owner else ""
 
 

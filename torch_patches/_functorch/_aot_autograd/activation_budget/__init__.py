@@ -21,7 +21,12 @@ the forward's end through the backward, at the least estimated time.  A saved st
 held in its stored form until its first backward use and at full size from there to its
 last (:class:`Span`), so the backward's first uses are where it can peak; bounding only the
 forward's end would let a plan be "met" while the backward rebuilds a tensor beside
-everything not used yet.  Lossy options are offered only for tensors
+everything not used yet.  That is for a graph that is its step.  A graph that is one of
+several (an input of it produced by autograd: blocks compiled one by one, graph breaks)
+holds its stored bytes while the other graphs run, and one graph's backward runs at a
+time: its budget bounds its forward's end, and its backward's points may hold up to what it
+saves without hooks (:func:`~.planner.bounds`, ``config.activation_budget_bounds``;
+:attr:`Plan.backward_bytes`).  Lossy options are offered only for tensors
 :func:`~torch_patches.hooks.select.numerics_safe` accepts.
 
 Cost model (:mod:`.cost_model`, recompute's in :mod:`.recompute`; every figure from the

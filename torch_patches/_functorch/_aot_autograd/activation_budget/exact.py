@@ -40,13 +40,14 @@ def exact_fit(result: Plan, floor: bool = True) -> int:
     Recompute options that pin other storages couple choices the programme takes one at
     a time, so it refuses them (``ValueError``).  With ``floor=False`` a budget nothing
     meets raises ``LookupError`` (and leaves the choices as they were) instead of looking
-    for the floor."""
+    for the floor.  A point's bytes count less its :meth:`Plan.slack` (the peak is of
+    those)."""
     choices = result.choices
     if any(c.pins and any(o.name == RECOMPUTE for o in c.options) for c in choices):
         raise ValueError("exact_fit: recompute options that pin other storages are not supported")
     points = result.points
     at = {p: k for k, p in enumerate(points)}
-    full = [0] * (len(points) + 1)  # bytes in use at full size, whatever the options
+    full = [0] * (len(points) + 1)  # bytes in use at full size, whatever the options, less the slack
     for c in choices:
         lo, hi = at[c.span.first], max(at[c.span.first], bisect.bisect_right(points, c.span.last))
         full[lo] += c.nbytes
@@ -57,6 +58,8 @@ def exact_fit(result: Plan, floor: bool = True) -> int:
         full[hi] -= nbytes
     for k in range(1, len(points)):
         full[k] += full[k - 1]
+    for k, p in enumerate(points):
+        full[k] -= result.slack(p)
     by_first: dict[int, list[int]] = {}
     for i, c in enumerate(choices):
         by_first.setdefault(at[c.span.first], []).append(i)

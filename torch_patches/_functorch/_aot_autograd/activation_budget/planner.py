@@ -69,7 +69,9 @@ class GraphFacts:
     ``inputs``: the forward's placeholders and their input descriptions (None for an
     activation); ``held``: forward inputs the caller keeps (a recomputation may read
     them); ``bw_inputs``: the backward's placeholder per saved tensor's name;
-    ``records``: the saved tensors' records (``saved_tensor_records``), by forward node."""
+    ``records``: the saved tensors' records (``saved_tensor_records``), by forward node;
+    ``autograd_inputs``: the forward's inputs that autograd produced before the graph
+    (``activation_inputs.autograd_inputs``: the graph is one of several of its step)."""
 
     fw_g: fx.Graph
     bw_g: fx.Graph
@@ -78,6 +80,7 @@ class GraphFacts:
     held: set[fx.Node]
     saved_tensors: list[fx.Node]
     records: dict[fx.Node, SavedTensorRecord]
+    autograd_inputs: tuple[str, ...] = ()
 
     @functools.cached_property
     def bw_pos(self) -> dict[fx.Node, int]:
@@ -103,6 +106,27 @@ def option_hooks(name: str) -> tuple[Any, Any]:
     if name == "fp8+offload":
         return chain(fp8_rowwise(where=None), cpu_offload())
     raise ValueError(f"unknown storage option {name!r}")
+
+
+#: ``config.activation_budget_bounds``'s values.
+BOUNDS = ("auto", "every_point", "forward_end")
+
+
+def bounds(facts: GraphFacts) -> tuple[str, str]:
+    """Which points a budget bounds in this graph, ``"every_point"`` or ``"forward_end"``
+    (``config.activation_budget_bounds``; ``"auto"``: the forward's end where autograd
+    produced an input of the graph), and why, in words."""
+    mode = config.activation_budget_bounds
+    if mode not in BOUNDS:
+        raise ValueError(f"torch_patches.config.activation_budget_bounds must be one of {BOUNDS}, got {mode!r}")
+    if mode == "auto" and facts.autograd_inputs:
+        mode, why = "forward_end", f"one graph of several in its step (autograd produced its input {', '.join(facts.autograd_inputs)})"
+    elif mode == "auto":
+        mode, why = "every_point", "the graph is its step (no input of it comes from autograd)"
+    else:
+        why = f"config.activation_budget_bounds = {mode!r}"
+    where = "every point" if mode == "every_point" else "the forward's end"
+    return mode, f"{where}: {why}"
 
 
 def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: dict[fx.Node, int]) -> Span:
@@ -193,9 +217,14 @@ def plan(
     ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
     target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
 
+    # A graph that is one of several (bounds): its forward's end is what the budget bounds,
+    # the bytes it holds while the rest of the step runs; its backward's points may hold up
+    # to what it saves without hooks (only a recomputation's ops could hold more).
+    backward_bytes = baseline if bounds(facts)[0] == "forward_end" else None
+
     def run(units: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
-        candidate = Plan(pair.label, spec, baseline, fixed, budget, on_hull, fixed_spans, facts.point_names)
+        candidate = Plan(pair.label, spec, baseline, fixed, budget, on_hull, fixed_spans, facts.point_names, backward_bytes)
         if ratio:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
@@ -223,7 +252,7 @@ def plan(
     if not fastest.met:
         recomputable = recipes()
         if recomputable is not None:
-            fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.peak[0] if not p.met else 0))
+            fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.bounded[0] if not p.met else 0))
     if not fastest.met:
         return _with_pareto(_floor_plan(run, [u for u in (choices, recomputable) if u is not None], target), pareto)
     if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
@@ -232,7 +261,14 @@ def plan(
     # each tier at the least time; taken unless the fastest is faster by more than the margin.
     if recomputable is None:
         recomputable = recipes()
-    least_lossy = run(recomputable or choices, exact_first=True)
+    tried = [run(recomputable or choices, exact_first=True)]
+    if not tried[0].met and recomputable:
+        # A recompute pins what it reads to keep: the greedy, taking cheap recomputes
+        # first, can leave the budget out of reach of what it pinned, where the storage
+        # options alone (offload, bf16 before fp8) meet it.
+        tried.append(run(choices, exact_first=True))
+    # The greedy is not exact: the fastest plan may be no lossier (then it is taken).
+    least_lossy = min([*tried, fastest], key=lambda p: (not p.met, _loss(p), p.estimated_ms))
     margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
         return _with_pareto(least_lossy, pareto)
@@ -243,6 +279,13 @@ def plan(
     return _with_pareto(fastest, pareto)
 
 
+def _loss(result: Plan) -> tuple[int, ...]:
+    """How lossy a plan is: the bytes stored at each tier of loss, the lossiest first (so
+    that fewer fp8 bytes win, then fewer int8, then fewer bf16)."""
+    tiers = [min(LOSS.get(c.chosen.name, 3), 3) for c in result.choices]
+    return tuple(sum(c.nbytes for c, t in zip(result.choices, tiers) if t == tier) for tier in (3, 2, 1))
+
+
 #: The fractions of its saved bytes a report's pareto plans each budget pair at.
 PARETO_FRACTIONS = tuple(round(0.1 * k, 1) for k in range(1, 11))
 
@@ -250,12 +293,13 @@ PARETO_FRACTIONS = tuple(round(0.1 * k, 1) for k in range(1, 11))
 def _pareto(run: Any, unit_sets: list[list[Choice]], baseline: int) -> tuple[tuple[float, int, float, bool], ...]:
     """``(fraction, planned peak bytes, estimated ms, met)`` of the plan at each of
     :data:`PARETO_FRACTIONS` of ``baseline``: the fastest plan meeting it, or the lowest peak
-    (compile-time work, done only while a report records)."""
+    (compile-time work, done only while a report records).  The peak is of what the budget
+    bounds (:attr:`Plan.bounded`: a graph of several, its forward's end)."""
     points = []
     for fraction in PARETO_FRACTIONS:
         plans = [run(units, budget=round(fraction * baseline)) for units in unit_sets]
-        best = min(plans, key=lambda p: (not p.met, p.estimated_ms if p.met else p.peak[0]))
-        points.append((fraction, best.peak[0], best.estimated_ms, best.met))
+        best = min(plans, key=lambda p: (not p.met, p.estimated_ms if p.met else p.bounded[0]))
+        points.append((fraction, best.bounded[0], best.estimated_ms, best.met))
     return tuple(points)
 
 
@@ -265,14 +309,14 @@ def _with_pareto(result: Plan, pareto: tuple[tuple[float, int, float, bool], ...
 
 
 def _floor_plan(run: Any, candidates: list[list[Choice]], target: int) -> Plan:
-    """The plan when nothing meets ``target``: the floor.  Every point of the backward is
+    """The plan when nothing meets ``target``: the floor.  Every point the budget bounds is
     brought as low as the options take it (the greedy against a budget of 0 bytes), with
-    and without the recompute options; the one with the lower peak (then the fewer bytes at
-    the forward's end, then the less time) is taken.  It does not depend on the budget, so
-    every budget below the floor plans the same, and a tighter budget never plans a higher
-    peak than a looser one."""
+    and without the recompute options; the one with the lower peak of what the budget
+    bounds (then the fewer bytes at the forward's end, then the less time) is taken.  It
+    does not depend on the budget, so every budget below the floor plans the same, and a
+    tighter budget never plans a higher peak than a looser one."""
     lowest = min(
-        (run(units, budget=0, fit=greedy_fit) for units in candidates), key=lambda p: (p.peak[0], p.predicted_bytes, p.estimated_ms)
+        (run(units, budget=0, fit=greedy_fit) for units in candidates), key=lambda p: (p.bounded[0], p.predicted_bytes, p.estimated_ms)
     )
     lowest.budget_bytes = target
     lowest.preference = "the floor: no plan meets the budget; every point as low as the options take it"
@@ -284,10 +328,12 @@ def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[b
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
 
 
-def summarize(result: Plan) -> BudgetPlanSummary:
+def summarize(result: Plan, bounds_why: str = "") -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
-    budget, naming its floor and what holds it there."""
+    budget, naming its floor and what holds it there.  ``bounds_why``: which points the
+    budget bounds and why (:func:`bounds`)."""
     peak, point = result.peak
+    floor, first = result.bounded
     found = _compile_facts.facts() if result.label == "ambient" else None
     cheap = found.partition_cheap_ratio if found is not None else None
     units = tuple(
@@ -317,16 +363,18 @@ def summarize(result: Plan) -> BudgetPlanSummary:
         partitioner_ratio=cheap,
         partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
         pareto=getattr(result, "pareto", ()),
-        floor_bytes=None if result.met else peak,
+        floor_bytes=None if result.met else floor,
         floor_holders=tuple(text for _, text in holders),
+        bounds=bounds_why,
     )
     if not result.met:
-        share = f" ({peak / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""
+        share = f" ({floor / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""
+        since = "" if at == first else f" (and from {result.describe_point(first)} on)"
+        bounded = "" if result.backward_bytes is None else f" (the budget bounds {bounds_why})"
         warnings.warn(
             f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
             f"cannot be met in scope {result.label!r}: its floor, the least the allowed options hold, "
-            f"is {peak} B{share}, held at {result.describe_point(at)}"
-            f"{'' if at == point else ' (and from ' + result.describe_point(point) + ' on)'}. What holds it there: "
+            f"is {floor} B{share}, held at {result.describe_point(at)}{since}{bounded}. What holds it there: "
             f"{'; '.join(text for _, text in holders) or 'nothing'}. Planned at the floor (every point as low "
             "as the options take it); torch._functorch.config.activation_memory_budget can recompute more",
             SavedTensorsHookWarning,
@@ -350,9 +398,9 @@ def _named(choice: Choice) -> str:
 
 
 def _last_peak(result: Plan) -> int:
-    """The latest point holding the plan's peak (where the most storages are already at
-    full size: what no stored form can lower)."""
-    points, values = result.timeline()
+    """The latest point holding the peak of what the budget bounds (where the most storages
+    are already at full size: what no stored form can lower)."""
+    points, values = result.bounded_timeline()
     top = max(values)
     return max(p for p, v in zip(points, values) if v == top)
 
@@ -422,7 +470,7 @@ def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple
         others = {r.node for r in packed if r.chosen is not pair}
         exact = facts.held | {s for s in facts.saved_tensors if s.name in facts.bw_inputs and s not in others}
         result = plan(pair, spec, facts, members, plannable, aliases, exact)
-        summaries.append(summarize(result))
+        summaries.append(summarize(result, bounds(facts)[1]))
         chosen = {s: c.chosen.name for c in result.choices for s in c.members}
         recipes = {c.members[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
         recomputed |= recipes

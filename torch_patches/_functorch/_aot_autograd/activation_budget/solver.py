@@ -102,6 +102,10 @@ class Plan:
     choices: list[Choice]
     fixed: tuple[tuple[Span, int], ...] = ()  # the storages of fixed_bytes, where used
     point_names: dict[int, str] = dataclasses.field(default_factory=dict)  # for messages
+    #: The most the backward's points may hold when that is more than the budget (a graph
+    #: that is one of several graphs of a step: the budget bounds its forward's end); None:
+    #: the budget bounds every point.
+    backward_bytes: int | None = None
 
     @property
     def predicted_bytes(self) -> int:
@@ -149,6 +153,25 @@ class Plan:
         nbytes, neg_point = max((b, -p) for p, b in zip(*self.timeline()))
         return nbytes, -neg_point
 
+    def slack(self, point: int) -> int:
+        """How many bytes more than the budget ``point`` may hold: 0 at the forward's end,
+        and at the backward's points unless :attr:`backward_bytes` allows more."""
+        if point < 0 or self.backward_bytes is None:
+            return 0
+        return max(0, self.backward_bytes - self.budget_bytes)
+
+    def bounded_timeline(self) -> tuple[list[int], list[int]]:
+        """:meth:`timeline` less each point's :meth:`slack`: what the budget bounds."""
+        points, values = self.timeline()
+        return points, [v - self.slack(p) for p, v in zip(points, values)]
+
+    @property
+    def bounded(self) -> tuple[int, int]:
+        """(bytes, point) of the most :meth:`bounded_timeline` holds (the earliest point of
+        it): :attr:`peak` where the budget bounds every point."""
+        nbytes, neg_point = max((b, -p) for p, b in zip(*self.bounded_timeline()))
+        return nbytes, -neg_point
+
     #: Why this plan was taken among those meeting the budget (for the log).
     preference: str = "least lossy"
 
@@ -158,7 +181,7 @@ class Plan:
 
     @property
     def met(self) -> bool:
-        return self.peak[0] <= self.budget_bytes
+        return self.bounded[0] <= self.budget_bytes
 
     def describe_point(self, point: int) -> str:
         return "the forward's end" if point < 0 else f"backward node {self.point_names.get(point, point)}"
@@ -441,9 +464,10 @@ def greedy_fit(result: Plan) -> int:
     greedy whose heap carries over, the storages of each earlier point added to it); the
     last is the forward's end, where every storage is in its stored form.  A recompute step
     is refused where the ops it copies (and the storages it pins to keep) would raise a
-    point already met above the budget, or one above the budget already any higher."""
+    point already met above the budget, or one above the budget already any higher.  A
+    point's bytes count less its :meth:`Plan.slack` throughout."""
     choices, budget = result.choices, result.budget_bytes
-    points, values = result.timeline()
+    points, values = result.bounded_timeline()
     at = {p: k for k, p in enumerate(points)}
     first = [at[c.span.first] for c in choices]
     timeline = _Timeline(values)
