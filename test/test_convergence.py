@@ -83,6 +83,19 @@ class TestTrainBenchPieces(unittest.TestCase):
             layers = cv.decoder_layers(cv.build(cfg).lm)
             self.assertEqual(len(layers), 3)
             self.assertTrue(all(type(layer).__name__.endswith(("DecoderLayer", "Block")) for layer in layers), layers)
+        # One graph for every layer, more layers than Dynamo's recompile limit: with HF's KV
+        # cache on, each layer recompiled (its guard reads whether its cache layer is filled)
+        # and the layers past the limit ran eagerly.
+        from torch._dynamo.testing import CompileCounter
+
+        torch._dynamo.reset()
+        cfg = cv.TrainConfig(model="llama", layers=torch._dynamo.config.recompile_limit + 1, dim=32, heads=2, seq=16)
+        model, counter = cv.build(cfg), CompileCounter()
+        for layer in cv.decoder_layers(model.lm):
+            layer.compile(backend=counter)
+        model(torch.randint(0, cv.VOCAB, (2, 16))).backward()
+        self.assertEqual(counter.frame_count, 1)
+        torch._dynamo.reset()
 
     def test_summary_compares_each_seed_with_its_own_reference(self) -> None:
         def run(evals: dict[str, float], peak: int, ms: float) -> dict:

@@ -60,7 +60,11 @@ LANGUAGE_MODELS: dict[str, Callable[..., Any]] = {"llama": hf_llama, "gpt2": hf_
 
 def causal_lm_loss(lm: Any) -> Any:
     """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
-    ids, it returns the mean next-token loss."""
+    ids, it returns the mean next-token loss.  Without a KV cache (``use_cache=False``, as
+    training runs): with HF's cache on, each decoder layer compiled on its own recompiles
+    (its guard reads whether the cache's own layer is filled yet), so past Dynamo's
+    ``recompile_limit`` (8) the other layers run eagerly, and the keys and values it keeps
+    are graph outputs that no saved-tensor hook can free."""
     import torch
 
     class CausalLMLoss(torch.nn.Module):
@@ -69,7 +73,7 @@ def causal_lm_loss(lm: Any) -> Any:
             self.lm = lm
 
         def forward(self, ids: Any) -> Any:
-            return self.lm(input_ids=ids, labels=ids).loss
+            return self.lm(input_ids=ids, labels=ids, use_cache=False).loss
 
     return CausalLMLoss()
 
