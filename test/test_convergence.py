@@ -119,6 +119,16 @@ class TestTrainBenchPieces(unittest.TestCase):
         table = report.format_table(cv.TrainConfig(), rows)
         self.assertIn("| fp8_rowwise | 2.000 | 3.100 | +5.00% [+0.0, +10.0] | 0.0 | 0.60 | 12 | 1.20 |", table)
         self.assertIn("warning, fp8_rowwise: w", table)
+        # A seed whose training diverged (a non-finite loss stopped it, maybe before the step
+        # whose peak is measured): an infinite change, no peak if no seed measured one.
+        diverged = run({"0": 5.0, "1": 5.0}, None, 11.0)
+        diverged["0"].update(train=[3.0, math.nan], eval=[(0, 5.0)], diverged_at=1)
+        diverged["1"]["diverged_at"] = None
+        row = report.summarize([results[0], {"row": "e5m2:all", "seeds": diverged, "warnings": []}])[1]
+        self.assertEqual(row["change"][0], math.inf)
+        self.assertEqual((row["diverged"], row["peak_bytes"]), (["0"], None))
+        self.assertNotIn("peak_x", row)
+        self.assertIn("(diverged: seed 0) | - |", report.format_table(cv.TrainConfig(), [row]))
 
 
 class TestTrainBenchEndToEnd(unittest.TestCase):
@@ -170,8 +180,10 @@ class TestConvergence(TestCase):
     @pytest.mark.slow
     def test_fp8_gap_within_bound_and_the_bound_can_fail(self) -> None:
         # The recommended fp8 hook, and e5m2 (2 mantissa bits) with the allowlist, stay within
-        # the bound; e5m2 on every saved tensor (RoPE angles, log-sum-exp, logits...) exceeds it
-        # (at these sizes: +0.0% and +4.1%, two seeds each, torch 2.13 CPU).
+        # the bound; e5m2 on every saved tensor (RoPE angles, log-sum-exp, logits, the
+        # attention's keys and values...) exceeds it: at these sizes it diverges, a non-finite
+        # loss at the second step of both seeds (torch 2.13 CPU; +4.1% with HF's KV cache on,
+        # before the bench's models turned it off).
         seeds = [0, 1]
         e5m2 = "fp8_rowwise(dtype=torch.float8_e5m2)"
         names = ("compiled", "fp8_rowwise", e5m2, f"{e5m2}:all")

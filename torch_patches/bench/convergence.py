@@ -342,6 +342,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
                 "eval": curve,
                 "peak_bytes": peak,
                 "step_ms": 1000 * statistics.median(times[3:] or times),
+                # The step whose loss was not finite (training stopped there), or None.
+                "diverged_at": len(losses) - 1 if not math.isfinite(losses[-1]) else None,
             }
     out["warnings"] = sorted({str(w.message) for w in caught if "torch_patches" in str(w.message)})
     # The budget plans of the compiled graphs (the first compile's: one per graph).

@@ -4,6 +4,7 @@ curves."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from typing import Any
@@ -15,9 +16,18 @@ def final_train(losses: list[float]) -> float:
     return statistics.fmean(tail)
 
 
+def _mean_peak(seeds: dict[str, Any]) -> float | None:
+    """The seeds' mean peak, of those measured (a run that diverged before its measured
+    step has none); None without any."""
+    peaks = [v["peak_bytes"] for v in seeds.values() if v["peak_bytes"]]
+    return statistics.fmean(peaks) if peaks else None
+
+
 def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> list[dict[str, Any]]:
     """Per row: means over seeds, and the eval-loss change against ``reference`` of the
-    same seed (mean, min, max), peak and step time as ratios of the reference's."""
+    same seed (mean, min, max; infinite for a seed whose training diverged: a non-finite
+    loss stopped it), peak and step time as ratios of the reference's (no peak where no
+    seed reached its measured step)."""
     ref = next((r for r in results if r["row"] == reference and "seeds" in r), None)
     rows = []
     for r in results:
@@ -25,24 +35,27 @@ def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> lis
             rows.append({"row": r["row"], "error": r.get("error", "no result")})
             continue
         seeds = r["seeds"]
-        evals = {s: v["eval"][-1][1] for s, v in seeds.items()}
+        diverged = {s for s, v in seeds.items() if v.get("diverged_at") is not None}
+        evals = {s: math.inf if s in diverged else v["eval"][-1][1] for s, v in seeds.items()}
         entry: dict[str, Any] = {
             "row": r["row"],
             "seeds": len(seeds),
             "train": statistics.fmean(final_train(v["train"]) for v in seeds.values()),
             "eval": statistics.fmean(evals.values()),
-            "peak_bytes": statistics.fmean(v["peak_bytes"] for v in seeds.values() if v["peak_bytes"]),
+            "peak_bytes": _mean_peak(seeds),
             "step_ms": statistics.fmean(v["step_ms"] for v in seeds.values()),
             "warnings": r.get("warnings", []),
+            "diverged": sorted(diverged),
         }
         if ref is not None:
             common = [s for s in evals if s in ref["seeds"]]
             changes = [evals[s] / ref["seeds"][s]["eval"][-1][1] - 1 for s in common]
             if changes:
                 entry["change"] = (statistics.fmean(changes), min(changes), max(changes))
-            ref_peak = statistics.fmean(v["peak_bytes"] for v in ref["seeds"].values() if v["peak_bytes"])
+            ref_peak = _mean_peak(ref["seeds"])
             ref_ms = statistics.fmean(v["step_ms"] for v in ref["seeds"].values())
-            entry["peak_x"] = entry["peak_bytes"] / ref_peak
+            if entry["peak_bytes"] is not None and ref_peak:
+                entry["peak_x"] = entry["peak_bytes"] / ref_peak
             entry["time_x"] = entry["step_ms"] / ref_ms
         rows.append(entry)
     return rows
@@ -60,8 +73,11 @@ def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
             continue
         change = r.get("change")
         text = "-" if change is None else f"{100 * change[0]:+.2f}% [{100 * change[1]:+.1f}, {100 * change[2]:+.1f}]"
+        if r.get("diverged"):
+            text += f" (diverged: seed {', '.join(r['diverged'])})"
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         lines.append(
-            f"| {r['row']} | {r['train']:.3f} | {r['eval']:.3f} | {text} | {r['peak_bytes'] / 2**20:.1f} "
+            f"| {r['row']} | {r['train']:.3f} | {r['eval']:.3f} | {text} | {peak} "
             f"| {r.get('peak_x', float('nan')):.2f} | {r['step_ms']:.0f} | {r.get('time_x', float('nan')):.2f} |"
         )
         notes.extend(f"{r['row']}: {w}" for w in r["warnings"])
