@@ -48,7 +48,7 @@ import torch_patches
 import torch_patches.hooks
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import saved_bytes_by_device
-from torch_patches.bench.models import build_model, causal_lm_loss, hf_llama
+from torch_patches.bench.models import build_model, causal_lm_loss, decoder_layers, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
 from torch_patches.testing import saved_tensor_records
 
@@ -245,7 +245,7 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     elif row.model == "llama1b":
         # Each decoder layer compiled on its own, as FSDP2 / torchtitan compile: one graph
         # (compiled once, reused by the 16 layers); embedding, head and loss stay eager.
-        for layer in model.lm.model.layers:
+        for layer in decoder_layers(model.lm):
             layer.compile(backend=row.backend)
         fn = model
     else:

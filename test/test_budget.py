@@ -785,6 +785,15 @@ def _step(fn, model, x, hooks=None):
     return held, grads
 
 
+def _working_set_margin(model, x, blocks, loss=0):
+    """What a budget cannot remove from a step's peak: the parameters' gradients and the
+    working set of the one block whose backward runs at a time
+    (bench.measure.block_working_set), or of the loss's backward (``loss`` bytes) where
+    that is larger."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + max(block_working_set(model, x, blocks), loss)
+
+
 # Small sizes: the fast tier; the bench runs the issue's sizes.
 _SIZES = {"mlp8": dict(batch=512, dim=64, blocks=4), "transformer": dict(batch=256, dim=64, blocks=2)}
 
@@ -797,10 +806,8 @@ class TestBudgetOnModels(BudgetTestCase):
         # (bench.measure.block_working_set). A language model's loss is such a block: its
         # backward holds the gradients of the log-softmax and of the logits at once (the
         # logits themselves are saved tensors, in the budget).
-        working = block_working_set(model, x, blocks_of(model, Case(model=name, device=device, **kw)))
-        if name == "llama":
-            working = max(working, 2 * x.numel() * model.lm.config.vocab_size * 4)
-        margin = sum(p.numel() * p.element_size() for p in model.parameters()) + working
+        loss = 2 * x.numel() * model.lm.config.vocab_size * 4 if name == "llama" else 0
+        margin = _working_set_margin(model, x, blocks_of(model, Case(model=name, device=device, **kw)), loss)
         if device != "cpu":
             # Offloaded tensors stay on the device until the compute stream has waited for
             # their copies (up to offload_copies_in_flight of them past their last use), which
@@ -926,8 +933,7 @@ class TestBudgetOnModels(BudgetTestCase):
         # and sigmoid at full size there: 0.61 of what it saves), the forward's end is; the
         # step holds the blocks' budgets plus one block's backward.
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
-        params = list(model.parameters())
-        margin = sum(p.numel() * p.element_size() for p in params) + block_working_set(model, x * 1, list(model))
+        margin = _working_set_margin(model, x * 1, list(model))
 
         def run(bounds, step_peak=False):
             torch._dynamo.reset()

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from torch_patches.bench import convergence as cv, convergence_report as report
+from torch_patches.bench.models import decoder_layers
 from torch_patches.testing import TestCase
 
 
@@ -80,7 +81,7 @@ class TestTrainBenchPieces(unittest.TestCase):
         pytest.importorskip("transformers")
         for model in ("llama", "gpt2"):
             cfg = cv.TrainConfig(model=model, layers=3, dim=32, heads=2, seq=16, compile_per="layer")
-            layers = cv.decoder_layers(cv.build(cfg).lm)
+            layers = decoder_layers(cv.build(cfg).lm)
             self.assertEqual(len(layers), 3)
             self.assertTrue(all(type(layer).__name__.endswith(("DecoderLayer", "Block")) for layer in layers), layers)
         # One graph for every layer, more layers than Dynamo's recompile limit: with HF's KV
@@ -91,7 +92,7 @@ class TestTrainBenchPieces(unittest.TestCase):
         torch._dynamo.reset()
         cfg = cv.TrainConfig(model="llama", layers=torch._dynamo.config.recompile_limit + 1, dim=32, heads=2, seq=16)
         model, counter = cv.build(cfg), CompileCounter()
-        for layer in cv.decoder_layers(model.lm):
+        for layer in decoder_layers(model.lm):
             layer.compile(backend=counter)
         model(torch.randint(0, cv.VOCAB, (2, 16))).backward()
         self.assertEqual(counter.frame_count, 1)

@@ -56,7 +56,7 @@ def plan_of(row: dict[str, Any]) -> dict[str, Any] | None:
         return None
     return {
         # What the budget bounds: a graph of several, its forward's end (bounds).
-        "peak_bytes": sum(p["planned_bytes"] if p.get("bounds", "").startswith("the forward's end") else p["peak_bytes"] for p in plans),
+        "peak_bytes": sum(p["planned_bytes"] if p.get("bounded_at") == "forward_end" else p["peak_bytes"] for p in plans),
         # What the graphs save without hooks or budget: where the partitioner's cheap
         # recomputation met the budget, the plan's baseline is what it left saved.
         "baseline_bytes": sum(

@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch_patches.bench.convergence_report import format_table, plot, summarize
-from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss
+from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss, decoder_layers
 
 
 #: The rows of a default run.
@@ -170,13 +170,6 @@ def build(cfg: TrainConfig) -> Any:
     except ImportError as e:
         raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
     return causal_lm_loss(lm)
-
-
-def decoder_layers(lm: Any) -> list[Any]:
-    """The decoder layers of a model of :data:`MODELS` (Llama's ``model.layers``, GPT-2's
-    ``transformer.h``)."""
-    inner = getattr(lm, "model", None) or lm.transformer
-    return list(getattr(inner, "layers", None) or inner.h)
 
 
 # ---------------------------------------------------------------------------- rows

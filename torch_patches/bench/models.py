@@ -58,6 +58,13 @@ def hf_gpt2(*, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
 LANGUAGE_MODELS: dict[str, Callable[..., Any]] = {"llama": hf_llama, "gpt2": hf_gpt2}
 
 
+def decoder_layers(lm: Any) -> list[Any]:
+    """The decoder layers of a model of :data:`LANGUAGE_MODELS` (Llama's ``model.layers``,
+    GPT-2's ``transformer.h``)."""
+    inner = getattr(lm, "model", None) or lm.transformer
+    return list(getattr(inner, "layers", None) or inner.h)
+
+
 def causal_lm_loss(lm: Any) -> Any:
     """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
     ids, it returns the mean next-token loss.  Without a KV cache (``use_cache=False``, as
@@ -156,7 +163,7 @@ def example_input(case: Case) -> Any:
 def blocks_of(model: Any, case: Case) -> list[Any]:
     """The repeated blocks of a bench model: the Sequential's children, Llama's decoder layers."""
     if case.model == "llama":
-        return list(model.lm.model.layers)
+        return decoder_layers(model.lm)
     return list(model)
 
 

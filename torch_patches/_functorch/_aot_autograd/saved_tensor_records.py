@@ -220,6 +220,8 @@ class BudgetPlanSummary:
     #: Which points the budget bounds and why: every point of the backward (a graph that is
     #: its step), or the forward's end (one graph of several: ``config.activation_budget_bounds``).
     bounds: str = ""
+    #: The same as data: ``"every_point"`` or ``"forward_end"``.
+    bounded_at: str = "every_point"
 
     def options(self) -> dict[str, str]:
         """Option per storage, keyed by the first saved tensor reading it."""

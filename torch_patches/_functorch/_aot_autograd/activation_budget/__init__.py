@@ -25,7 +25,7 @@ everything not used yet.  That is for a graph that is its step.  A graph that is
 several (an input of it produced by autograd: blocks compiled one by one, graph breaks)
 holds its stored bytes while the other graphs run, and one graph's backward runs at a
 time: its budget bounds its forward's end, and its backward's points may hold up to what it
-saves without hooks (:func:`~.planner.bounds`, ``config.activation_budget_bounds``;
+saves without hooks (:attr:`~.planner.GraphFacts.bounds`, ``config.activation_budget_bounds``;
 :attr:`Plan.backward_bytes`).  Lossy options are offered only for tensors
 :func:`~torch_patches.hooks.select.numerics_safe` accepts.
 

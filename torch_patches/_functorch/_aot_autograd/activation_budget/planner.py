@@ -62,6 +62,10 @@ from torch_patches._errors import SavedTensorsHookWarning
 SOLVER: Callable[[Plan], int] = exact_or_greedy_fit
 
 
+#: ``config.activation_budget_bounds``'s values.
+BOUNDS = ("auto", "every_point", "forward_end")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphFacts:
     """What every budget plan of one forward/backward graph pair reads.
@@ -81,6 +85,23 @@ class GraphFacts:
     saved_tensors: list[fx.Node]
     records: dict[fx.Node, SavedTensorRecord]
     autograd_inputs: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def bounds(self) -> tuple[str, str]:
+        """Which points a budget bounds in this graph, ``"every_point"`` or ``"forward_end"``
+        (``config.activation_budget_bounds``; ``"auto"``: the forward's end where autograd
+        produced an input of the graph), and that and why, in words."""
+        mode = config.activation_budget_bounds
+        if mode not in BOUNDS:
+            raise ValueError(f"torch_patches.config.activation_budget_bounds must be one of {BOUNDS}, got {mode!r}")
+        if mode == "auto" and self.autograd_inputs:
+            mode, why = "forward_end", f"one graph of several in its step (autograd produced its input {', '.join(self.autograd_inputs)})"
+        elif mode == "auto":
+            mode, why = "every_point", "the graph is its step (no input of it comes from autograd)"
+        else:
+            why = f"config.activation_budget_bounds = {mode!r}"
+        where = "every point" if mode == "every_point" else "the forward's end"
+        return mode, f"{where}: {why}"
 
     @functools.cached_property
     def bw_pos(self) -> dict[fx.Node, int]:
@@ -106,27 +127,6 @@ def option_hooks(name: str) -> tuple[Any, Any]:
     if name == "fp8+offload":
         return chain(fp8_rowwise(where=None), cpu_offload())
     raise ValueError(f"unknown storage option {name!r}")
-
-
-#: ``config.activation_budget_bounds``'s values.
-BOUNDS = ("auto", "every_point", "forward_end")
-
-
-def bounds(facts: GraphFacts) -> tuple[str, str]:
-    """Which points a budget bounds in this graph, ``"every_point"`` or ``"forward_end"``
-    (``config.activation_budget_bounds``; ``"auto"``: the forward's end where autograd
-    produced an input of the graph), and why, in words."""
-    mode = config.activation_budget_bounds
-    if mode not in BOUNDS:
-        raise ValueError(f"torch_patches.config.activation_budget_bounds must be one of {BOUNDS}, got {mode!r}")
-    if mode == "auto" and facts.autograd_inputs:
-        mode, why = "forward_end", f"one graph of several in its step (autograd produced its input {', '.join(facts.autograd_inputs)})"
-    elif mode == "auto":
-        mode, why = "every_point", "the graph is its step (no input of it comes from autograd)"
-    else:
-        why = f"config.activation_budget_bounds = {mode!r}"
-    where = "every point" if mode == "every_point" else "the forward's end"
-    return mode, f"{where}: {why}"
 
 
 def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: dict[fx.Node, int]) -> Span:
@@ -217,10 +217,11 @@ def plan(
     ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
     target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
 
-    # A graph that is one of several (bounds): its forward's end is what the budget bounds,
-    # the bytes it holds while the rest of the step runs; its backward's points may hold up
-    # to what it saves without hooks (only a recomputation's ops could hold more).
-    backward_bytes = baseline if bounds(facts)[0] == "forward_end" else None
+    # A graph that is one of several (GraphFacts.bounds): its forward's end is what the
+    # budget bounds, the bytes it holds while the rest of the step runs; its backward's
+    # points may hold up to what it saves without hooks (only a recomputation's ops could
+    # hold more).
+    backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
 
     def run(units: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
@@ -328,10 +329,10 @@ def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[b
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
 
 
-def summarize(result: Plan, bounds_why: str = "") -> BudgetPlanSummary:
+def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "") -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
-    budget, naming its floor and what holds it there.  ``bounds_why``: which points the
-    budget bounds and why (:func:`bounds`)."""
+    budget, naming its floor and what holds it there.  ``bounded_at``, ``bounds_why``:
+    which points the budget bounds, and that and why in words (:attr:`GraphFacts.bounds`)."""
     peak, point = result.peak
     floor, first = result.bounded
     found = _compile_facts.facts() if result.label == "ambient" else None
@@ -366,6 +367,7 @@ def summarize(result: Plan, bounds_why: str = "") -> BudgetPlanSummary:
         floor_bytes=None if result.met else floor,
         floor_holders=tuple(text for _, text in holders),
         bounds=bounds_why,
+        bounded_at=bounded_at,
     )
     if not result.met:
         share = f" ({floor / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""
@@ -470,7 +472,7 @@ def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple
         others = {r.node for r in packed if r.chosen is not pair}
         exact = facts.held | {s for s in facts.saved_tensors if s.name in facts.bw_inputs and s not in others}
         result = plan(pair, spec, facts, members, plannable, aliases, exact)
-        summaries.append(summarize(result, bounds(facts)[1]))
+        summaries.append(summarize(result, *facts.bounds))
         chosen = {s: c.chosen.name for c in result.choices for s in c.members}
         recipes = {c.members[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
         recomputed |= recipes

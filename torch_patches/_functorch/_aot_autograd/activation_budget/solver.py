@@ -86,6 +86,12 @@ class Choice:
         return self.span.live(point, self.chosen.device_bytes, self.nbytes) + _transient(self, self.chosen, point)
 
 
+def _highest(points: list[int], values: list[int]) -> tuple[int, int]:
+    """(value, point) of the largest value, at the earliest point holding it."""
+    value, neg_point = max((v, -p) for p, v in zip(points, values))
+    return value, -neg_point
+
+
 def _transient(choice: Choice, option: Option, point: int) -> int:
     return choice.transient if option.name == RECOMPUTE and point == choice.span.first else 0
 
@@ -150,8 +156,7 @@ class Plan:
     def peak(self) -> tuple[int, int]:
         """(bytes, point) of the most the saved storages hold from the forward's end on
         (the earliest point of that many bytes)."""
-        nbytes, neg_point = max((b, -p) for p, b in zip(*self.timeline()))
-        return nbytes, -neg_point
+        return _highest(*self.timeline())
 
     def slack(self, point: int) -> int:
         """How many bytes more than the budget ``point`` may hold: 0 at the forward's end,
@@ -169,8 +174,7 @@ class Plan:
     def bounded(self) -> tuple[int, int]:
         """(bytes, point) of the most :meth:`bounded_timeline` holds (the earliest point of
         it): :attr:`peak` where the budget bounds every point."""
-        nbytes, neg_point = max((b, -p) for p, b in zip(*self.bounded_timeline()))
-        return nbytes, -neg_point
+        return _highest(*self.bounded_timeline())
 
     #: Why this plan was taken among those meeting the budget (for the log).
     preference: str = "least lossy"
