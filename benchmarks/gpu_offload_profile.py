@@ -48,7 +48,7 @@ import torch_patches
 import torch_patches.hooks
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import saved_bytes_by_device
-from torch_patches.bench.models import build_model, causal_lm_loss, decoder_layers, hf_llama
+from torch_patches.bench.models import build_model, causal_lm_loss, compile_per_layer, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
 from torch_patches.testing import saved_tensor_records
 
@@ -66,6 +66,7 @@ class Row:
     functorch: tuple[tuple[str, Any], ...] = ()
     joint_pass: Any = None  # an inductor joint_custom_pre_pass (upstream's offload marks nodes)
     patches: tuple[tuple[str, Any], ...] = ()  # torch_patches.config overrides
+    checkpoint: bool = False  # stock activation checkpointing of every decoder layer (llama1b)
 
 
 def _budget(f: float) -> Any:
@@ -117,12 +118,18 @@ ROWS: dict[str, Row] = {
         Row("stock-amb-0.3-wide", "mlp8-wide", functorch=(("activation_memory_budget", 0.3),)),
         *_rows("mlp8-tall", "-tall"),
         Row("upstream-offload-one-stream-tall", "mlp8-tall", functorch=_UPSTREAM_OFFLOAD[:1], joint_pass=_mark_all_for_offload),
+        # In the order of what the targets read first (a run cut by its timeout
+        # keeps the first rows).
         Row("no-hooks-llama1b", "llama1b"),
-        Row("budget-0.3-llama1b", "llama1b", hooks=_budget(0.3)),
-        Row("budget-0.3-every-point-llama1b", "llama1b", hooks=_budget(0.3), patches=(("activation_budget_bounds", "every_point"),)),
-        Row("stock-amb-0.3-llama1b", "llama1b", functorch=(("activation_memory_budget", 0.3),)),
         Row("offload-llama1b", "llama1b", hooks=cpu_offload),
+        Row("budget-0.3-llama1b", "llama1b", hooks=_budget(0.3)),
+        Row("stock-amb-0.3-llama1b", "llama1b", functorch=(("activation_memory_budget", 0.3),)),
         Row("fp8+offload-llama1b", "llama1b", hooks=lambda: chain(fp8_rowwise(), cpu_offload())),
+        Row("budget-0.5-llama1b", "llama1b", hooks=_budget(0.5)),
+        Row("stock-amb-0.5-llama1b", "llama1b", functorch=(("activation_memory_budget", 0.5),)),
+        Row("stock-full-ac-llama1b", "llama1b", checkpoint=True),
+        # The same offload with each layer's reloads started by its own backward.
+        Row("offload-no-prefetch-llama1b", "llama1b", hooks=cpu_offload, patches=(("offload_prefetch_graphs", 0),)),
     ]
 }
 
@@ -244,9 +251,11 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         fn = model
     elif row.model == "llama1b":
         # Each decoder layer compiled on its own, as FSDP2 / torchtitan compile: one graph
-        # (compiled once, reused by the 16 layers); embedding, head and loss stay eager.
-        for layer in decoder_layers(model.lm):
-            layer.compile(backend=row.backend)
+        # (compiled once, reused by the 16 layers), and the loss on its own; embedding and
+        # head stay eager.  Full activation checkpointing: HF's, around every layer.
+        if row.checkpoint:
+            model.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compile_per_layer(model.lm, backend=row.backend, loss=True)
         fn = model
     else:
         fn = torch.compile(model, backend=row.backend)
@@ -297,6 +306,8 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                     "planned_x": round(p.planned_bytes / max(p.baseline_bytes, 1), 3),
                     "peak_x": round(p.peak_bytes / max(p.baseline_bytes, 1), 3),
                     "options": dict(collections.Counter(u.option for u in p.units)),
+                    "copy_ms": round(p.copy_ms, 3), "copy_exposed_ms": round(p.copy_exposed_ms, 3),
+                    "ahead_MiB": round(p.ahead_bytes / MiB, 1),
                 }
                 for c in compiled for p in c.plans
             ]

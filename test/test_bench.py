@@ -397,6 +397,20 @@ class TestBudgetSweep(TestCase):
         self.assertEqual((summary["rises"], summary["above_stock"]), ([], []))
         self.assertIn("never rises as F falls; at or below stock's + 2% at every F", budget_sweep.format_table(summary, 0.02))
 
+    def test_offload_rows_listed_under_the_table(self) -> None:
+        # Where the device has a copy engine the sweep also runs cpu_offload() and fp8 +
+        # offload; their peaks and times are ratios to the row without hooks.
+        from torch_patches.bench import budget_sweep
+
+        plans = {0.5: [self.plan(100, 1000, True)]}
+        results = {**self.results({0.5: 400}, {0.5: 450}, plans), "offload": self.row(250, 105.0),
+                   "fp8+offload": {"error": "boom"}}
+        summary = budget_sweep.summarize(results, [0.5], 0.02)
+        self.assertEqual(summary["offload"][0], {"row": "offload", "peak": 0.25, "time": 1.05, "error": None})
+        table = budget_sweep.format_table(summary, 0.02)
+        self.assertIn("offload: peak x 0.25, time x 1.05", table)
+        self.assertIn("fp8+offload: error: boom", table)
+
     def test_errors_are_reported_not_ratioed(self) -> None:
         from torch_patches.bench import budget_sweep
 

@@ -65,6 +65,10 @@ class TestTrainBenchPieces(unittest.TestCase):
         self.assertEqual(row.kwargs, (("block_size", 32), ("otherwise", "bf16")))
         self.assertEqual(cv.Row.parse("fp8_rowwise(dtype=torch.float8_e5m2)").kwargs, (("dtype", "torch.float8_e5m2"),))
         self.assertEqual(cv.Row.parse("budget:0.5").budget, 0.5)
+        for name in ("offload", "fp8+offload"):
+            row = cv.Row.parse(name)
+            self.assertTrue(row.compiled and row.applies_patches)
+            self.assertEqual(len(row.hooks()), 2)
         amb = cv.Row.parse("amb:0.3")
         self.assertEqual((amb.amb, amb.applies_patches), (0.3, False))
         self.assertEqual(cv.split_rows("compiled, fp8_rowwise(block_size=32,otherwise=bf16),budget:0.5"),

@@ -54,6 +54,18 @@ reload_prefetch_distance: int = 4
 # offloaded tensors stay on the device meanwhile. 0: each offload waits for its own copy.
 offload_copies_in_flight: int = 2
 
+# cpu_offload() across graphs compiled apart (each decoder layer on its own, as FSDP2 and
+# torchtitan compile): when a graph's backward starts, the reloads of the next
+# offload_prefetch_graphs graphs autograd runs after it (found along autograd's edges) start
+# on the copy stream, so they overlap this graph's backward compute instead of waiting for
+# their own graph to begin. A reload started ahead holds its device memory from then on.
+# 0: each graph starts its own reloads, inside its backward (reload_prefetch_distance).
+offload_prefetch_graphs: int = 1
+
+# At most this many bytes of reloads started ahead by one graph's backward (None: as many
+# as offload_prefetch_graphs graphs reload).
+offload_prefetch_bytes: int | None = None
+
 # Which saved tensors user hooks see, inlined or not.
 #  "float" (default): floating-point (and complex) saved tensors only. Masks, indices
 #      and other integer/bool tensors are saved as they are; the compiler's partitioner

@@ -148,6 +148,18 @@ class MemoryReport:
         kept = sum(r["device_bytes"] for r in self.rows)
         lines.append("")
         lines.append(f"total: {len(self.rows)} saved tensors, {_size(total)}; {_size(kept)} on the device between forward and backward")
+        plans = [(k, p) for k, g in enumerate(self.graphs) for p in g.plans]
+        if plans:
+            lines.append("")
+            lines.append("budget plans, per graph:")
+        for k, p in plans:
+            met = "met" if p.met else f"not met (floor {_size(p.floor_bytes or 0)})"
+            lines.append(
+                f"  graph {k} ({p.scope}, {p.spec}): {_size(p.planned_bytes)} of {_size(p.baseline_bytes)} saved at the "
+                f"forward's end, budget {_size(p.budget_bytes)}, {met}; bounds {p.bounded_at}; est {p.estimated_ms:.3f} ms"
+            )
+            if p.copies():
+                lines.append(f"    {p.copies()}")
         return "\n".join(lines)
 
     def csv(self) -> str:

@@ -24,6 +24,11 @@ floor it stopped at (the largest holders, from the plan's summary); the measured
 the measured peak of ``budget(F)`` never rises as F falls, and the fractions where it is
 above stock's by more than ``--tolerance``.
 
+Where the device has a copy engine (CUDA), the rows ``offload`` (``cpu_offload()``) and
+``fp8+offload`` (``chain(fp8_rowwise(), cpu_offload())``) run too, measured the same way
+and listed under the table: what an exact (or fp8) offload of every saved tensor costs
+beside what the budget plans.
+
 Defaults are the sizes of the budget's acceptance check: 4 layers, hidden 512, 8 heads,
 sequences of 512, batch 4, vocabulary 8,192, Inductor.
 """
@@ -37,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-from torch_patches.bench.convergence import TrainConfig, run_in_subprocess
+from torch_patches.bench.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
 
 
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -99,7 +104,16 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
         if None not in (line["ours_peak_bytes"], line["stock_peak_bytes"])
         and line["ours_peak_bytes"] > (1 + tolerance) * line["stock_peak_bytes"]
     ]
-    return {"base_peak_bytes": base_peak, "base_step_ms": base_ms, "lines": lines, "rises": rises, "above_stock": above}
+    offload = [
+        {"row": name, "peak": _ratio(_step(row)[0], base_peak), "time": _ratio(_step(row)[1], base_ms), "error": row.get("error")}
+        for name, row in results.items() if name in OFFLOAD_ROWS
+    ]
+    return {"base_peak_bytes": base_peak, "base_step_ms": base_ms, "lines": lines, "rises": rises, "above_stock": above,
+            "offload": offload}
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
 
 
 def _x(value: float | None) -> str:
@@ -136,6 +150,9 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
     for line in summary["lines"]:
         for error in line["errors"]:
             out.append(f"F={line['fraction']:g}: error: {error}")
+    for row in summary.get("offload", ()):
+        out.append(f"{row['row']}: " + (f"error: {row['error']}" if row["error"]
+                   else f"peak x {_x(row['peak'])}, time x {_x(row['time'])}"))
     return "\n".join(out)
 
 
@@ -165,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
+
     fractions = sorted({float(f) for f in args.fractions.split(",") if f})
     if not fractions or not all(0 < f <= 1 for f in fractions):
         parser.error("--fractions: a comma list of fractions in (0, 1]")
@@ -180,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in [m for m in args.models.split(",") if m]:
         cfg = TrainConfig(model=model, **sizes)
         rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
+        if copy_engine(torch.device(args.device)):
+            rows += list(OFFLOAD_ROWS)
         results = {}
         for row in rows:
             start = time.time()

@@ -30,6 +30,9 @@ Rows (``--rows``, comma separated):
                    ``otherwise=bf16`` names another hook, ``dtype=torch.float8_e5m2`` a
                    torch attribute)
   eager+NAME       the hook as eager hooks on the uncompiled model
+  offload          ``torch_patches.hooks.cpu_offload()``, compiled (exact; on CUDA it frees
+                   device memory, on the CPU it copies)
+  fp8+offload      ``chain(fp8_rowwise(), cpu_offload())``, compiled
   budget:F         ``torch_patches.hooks.budget(F)``, compiled
   amb:F            stock ``torch._functorch.config.activation_memory_budget = F``, compiled,
                    torch_patches not applied
@@ -53,13 +56,29 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch_patches.bench.convergence_report import format_table, plot, summarize
-from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss, decoder_layers
+from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
 
 
 #: The rows of a default run.
 DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
 #: The ready-made hooks a row may name.
 HOOKS = ("bf16", "fp8_rowwise", "int8_rowwise")
+
+
+def _offload() -> Any:
+    from torch_patches.hooks import cpu_offload
+
+    return cpu_offload()
+
+
+def _fp8_offload() -> Any:
+    from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
+
+    return chain(fp8_rowwise(), cpu_offload())
+
+
+#: The offload rows, by name: their hooks.
+OFFLOAD_ROWS = {"offload": _offload, "fp8+offload": _fp8_offload}
 VOCAB = 256  # bytes
 #: The models a run may name (Hugging Face, built from configs).
 MODELS = LANGUAGE_MODELS
@@ -89,7 +108,8 @@ class TrainConfig:
     #: widens the embedding, the head and the logits (what a real tokenizer's would cost).
     vocab: int = VOCAB
     #: What one ``torch.compile`` covers: the whole model, or each decoder layer on its own
-    #: (``"layer"``, as FSDP2 and torchtitan compile; embedding, head and loss eager).
+    #: and the loss on its own (``"layer"``, as FSDP2 and torchtitan compile; embedding and
+    #: head eager).
     compile_per: str = "model"
     #: ``torch_patches.config.activation_budget_bounds`` for the ``budget:F`` rows.
     budget_bounds: str = "auto"
@@ -195,6 +215,8 @@ class Row:
     def parse(name: str) -> "Row":
         if name in ("eager", "compiled"):
             return Row(name, compiled=name == "compiled")
+        if name in OFFLOAD_ROWS:
+            return Row(name, compiled=True, hook=name)
         if name.startswith(("budget:", "amb:")):
             kind, _, value = name.partition(":")
             fraction = float(value)
@@ -222,6 +244,8 @@ class Row:
             return library.budget(self.budget)
         if self.hook is None:
             return None
+        if self.hook in OFFLOAD_ROWS:
+            return OFFLOAD_ROWS[self.hook]()
         def value(v: Any) -> Any:
             if isinstance(v, str) and v in HOOKS:
                 return getattr(library, v)()
@@ -284,8 +308,7 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
         configs.enter_context(torch_patches.config.patch(activation_budget_bounds=cfg.budget_bounds))
     fn = model
     if row.compiled and cfg.compile_per == "layer":
-        for layer in decoder_layers(model.lm):
-            layer.compile(backend=cfg.backend)
+        compile_per_layer(model.lm, backend=cfg.backend, loss=True)
     elif row.compiled:
         fn = torch.compile(model, backend=cfg.backend)
     params = [p for p in model.parameters() if p.requires_grad]

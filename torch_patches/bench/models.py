@@ -65,6 +65,18 @@ def decoder_layers(lm: Any) -> list[Any]:
     return list(getattr(inner, "layers", None) or inner.h)
 
 
+def compile_per_layer(lm: Any, backend: str = "inductor", loss: bool = False) -> None:
+    """Compile each decoder layer of ``lm`` (a model of :data:`LANGUAGE_MODELS`) on its own,
+    as FSDP2 and torchtitan compile, and with ``loss`` its loss function on its own too
+    (torchtitan compiles the loss apart); the embedding and the head stay eager."""
+    import torch
+
+    for layer in decoder_layers(lm):
+        layer.compile(backend=backend)
+    if loss:
+        lm.loss_function = torch.compile(lm.loss_function, backend=backend)
+
+
 def causal_lm_loss(lm: Any) -> Any:
     """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
     ids, it returns the mean next-token loss.  Without a KV cache (``use_cache=False``, as

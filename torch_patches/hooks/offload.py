@@ -74,6 +74,16 @@ ticket -> ``reload_wait`` keeps the two ops ordered, and ``reload_wait`` takes `
 ``device`` so its fake implementation knows the result's metadata (and ``cpu`` stays alive
 until the copy is waited for).
 
+A reload may also start *before* the graph that waits for it runs: :func:`prefetch` starts
+the copy of a host tensor ``offload`` returned (it carries its device and strides) and leaves
+the copy's ticket with that host tensor; the ``reload_start`` that later asks for the same copy
+takes that ticket instead of starting another.  The compiler calls :func:`prefetch` for the
+saved tensors of the graph autograd runs next in the backward (each layer compiled on its own:
+``torch_patches/_functorch/_aot_autograd/offload_prefetch.py``), so a layer's reloads run
+behind the backward compute of the layer after it.  A prefetched ticket lives exactly as long
+as its host tensor (a backward that raised, or never reached the graph, drops it with the
+autograd graph, and its destination with it, after the copy into it).
+
 The ops are pure from the graph's point of view (every output is used, nothing else is
 written), so no effect tokens are needed: they are not dead code, and data dependencies
 order offload after the saved tensor's producer, ``reload_start`` before ``reload_wait``
@@ -86,6 +96,7 @@ before the first use.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -98,7 +109,7 @@ from torch import Tensor
 from torch_patches.hooks._inlineable import inlineable
 
 
-__all__ = ["cpu_offload", "offload", "reload_start", "reload_wait"]
+__all__ = ["copy_log", "cpu_offload", "offload", "offload_order", "prefetch", "reload_start", "reload_wait"]
 
 _NS = "saved_tensors_hooks"
 
@@ -158,6 +169,72 @@ def _copies_in_flight() -> int:
     return max(0, int(config.offload_copies_in_flight))
 
 
+# ------------------------------------------------------------- reload facts, copy log
+
+
+@dataclasses.dataclass
+class _Reload:
+    """What a host tensor ``offload`` returned carries for its way back: the device and
+    strides of the tensor it copies, its place in offload order, and the ticket of a reload
+    started ahead of its ``reload_start`` (:func:`prefetch`), until that takes it."""
+
+    device: torch.device
+    stride: tuple[int, ...]
+    seq: int
+    ticket: Tensor | None = None
+
+
+_RELOAD_ATTR = "_saved_tensors_hooks_reload"
+_offload_seq = itertools.count()
+
+
+def _reload_of(cpu: Tensor) -> _Reload | None:
+    return cpu.__dict__.get(_RELOAD_ATTR)
+
+
+def offload_order(t: Tensor) -> int | None:
+    """Where host tensor ``t`` stands in the process's offload order (later offloads are
+    larger), or None when ``t`` is not a tensor :func:`offload` returned."""
+    info = t.__dict__.get(_RELOAD_ATTR)
+    return None if info is None else info.seq
+
+
+#: While :func:`copy_log` records: its event list (``None`` otherwise).
+_events: list[tuple[str, int, Any]] | None = None
+_events_lock = threading.Lock()
+
+
+def _note(kind: str, cpu: Tensor) -> None:
+    if _events is None:
+        return
+    info = _reload_of(cpu)
+    with _events_lock:
+        if _events is not None:
+            _events.append((kind, info.seq if info is not None else -1, torch._C._current_autograd_node()))
+
+
+@contextlib.contextmanager
+def copy_log() -> Any:
+    """Record the offload ops' copies while the block runs: a list of ``(event, tensor,
+    node)``, ``event`` one of ``"offload"`` (a device-to-host copy issued), ``"prefetch"``
+    (a reload started ahead of its graph, :func:`prefetch`), ``"start"`` (a reload started
+    by ``reload_start`` itself), ``"take"`` (``reload_start`` took a prefetched reload) and
+    ``"wait"`` (``reload_wait``); ``tensor`` numbers the host tensor in offload order;
+    ``node`` is the autograd node running then (``torch._C._current_autograd_node()``: the
+    compiled graph's backward node, None in the forward).  For tests and debugging: the log
+    keeps the nodes alive."""
+    global _events
+    with _events_lock:
+        if _events is not None:
+            raise RuntimeError("copy_log() is already recording")
+        _events = out = []
+    try:
+        yield out
+    finally:
+        with _events_lock:
+            _events = None
+
+
 # ------------------------------------------------------------------------ offload
 
 
@@ -178,7 +255,7 @@ def offload(src: Tensor, pin_memory: bool) -> Tensor:
         # CPU (and devices without a stream path): a synchronous copy.
         out = _host_like(src, pin_memory=False)
         out.copy_(src)
-        return out
+        return _stamped(out, src)
     side = _side_stream(src.device)
     out = _host_like(src, pin_memory=pin_memory)
     side.wait_stream(torch.cuda.current_stream(src.device))
@@ -190,6 +267,13 @@ def offload(src: Tensor, pin_memory: bool) -> Tensor:
     with _streams_lock:
         _copies_out.setdefault(_index(src.device), collections.deque()).append(_CopyOut(src, event))
     _release_copied(src.device, keep=_copies_in_flight())
+    return _stamped(out, src)
+
+
+def _stamped(out: Tensor, src: Tensor) -> Tensor:
+    """``out`` carrying what :func:`prefetch` needs to bring it back to ``src``'s place."""
+    setattr(out, _RELOAD_ATTR, _Reload(src.device, tuple(src.stride()), next(_offload_seq)))
+    _note("offload", out)
     return out
 
 
@@ -205,7 +289,10 @@ def _offload_fake(src: Tensor, pin_memory: bool) -> Tensor:
 class _InFlight:
     dst: Tensor
     event: Any  # torch.cuda.Event, None for synchronous copies
-    src: Tensor  # the host tensor, kept alive until the copy is waited for
+    # The host memory, kept until the copy is waited for: its storage, not the tensor, whose
+    # reload facts may hold this very copy's ticket (a prefetched reload): the entry must not
+    # keep that ticket alive, or a ticket never taken would never be released.
+    src: Any
 
 
 _tickets = itertools.count()
@@ -218,21 +305,13 @@ def _device_like(cpu: Tensor, device: torch.device, stride: list[int] | None) ->
     return torch.empty_strided(cpu.shape, stride, dtype=cpu.dtype, device=device)
 
 
-@torch.library.custom_op(f"{_NS}::reload_start", mutates_args=())
-def reload_start(
-    cpu: Tensor, device: torch.device, stride: list[int] | None = None
-) -> Tensor:
-    """Start copying host tensor ``cpu`` to ``device``; returns the copy's ticket.
-
-    The destination has strides ``stride`` (``None``: ``cpu``'s).  The ticket is a 0-d
-    int64 CPU tensor; pass it to :func:`reload_wait` (exactly once).  A ticket freed
-    without being waited for releases the copy (its destination) with it.
-    """
+def _start_copy(cpu: Tensor, device: torch.device, stride: list[int] | None) -> Tensor:
+    """Start copying ``cpu`` to ``device``; the copy's ticket (see :func:`reload_start`)."""
     ticket = next(_tickets)
     if not _is_cuda(device):
         dst = _device_like(cpu, device, stride)
         dst.copy_(cpu)
-        _in_flight[ticket] = _InFlight(dst, None, cpu)
+        _in_flight[ticket] = _InFlight(dst, None, cpu.untyped_storage())
     else:
         # The backward has begun: the forward's copies out are waited for and let go.
         _release_copied(device, keep=0)
@@ -245,12 +324,59 @@ def reload_start(
             dst.copy_(cpu, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        _in_flight[ticket] = _InFlight(dst, event, cpu)
+        _in_flight[ticket] = _InFlight(dst, event, cpu.untyped_storage())
     out = torch.tensor(ticket, dtype=torch.int64)
-    # A ticket dropped unwaited (a backward that raised between the two ops) takes its
-    # entry, and with it the destination's device memory, along.
+    # A ticket dropped unwaited (a backward that raised between the two ops, a prefetched
+    # reload whose graph never ran) takes its entry, and with it the destination's device
+    # memory, along.
     weakref.finalize(out, _drop_unwaited, ticket)
     return out
+
+
+def _take_prefetched(cpu: Tensor, device: torch.device, stride: list[int] | None) -> Tensor | None:
+    """The ticket of a reload of ``cpu`` :func:`prefetch` started, if it is the copy asked
+    for (same device and strides); taken once.  A prefetched copy of another layout is let go."""
+    info = _reload_of(cpu)
+    if info is None or info.ticket is None:
+        return None
+    ticket, info.ticket = info.ticket, None
+    wanted = tuple(stride) if stride is not None else tuple(cpu.stride())
+    if info.device != device or info.stride != wanted:
+        return None
+    return ticket
+
+
+@torch.library.custom_op(f"{_NS}::reload_start", mutates_args=())
+def reload_start(
+    cpu: Tensor, device: torch.device, stride: list[int] | None = None
+) -> Tensor:
+    """Start copying host tensor ``cpu`` to ``device``; returns the copy's ticket.
+
+    The destination has strides ``stride`` (``None``: ``cpu``'s).  The ticket is a 0-d
+    int64 CPU tensor; pass it to :func:`reload_wait` (exactly once).  A ticket freed
+    without being waited for releases the copy (its destination) with it.  Where
+    :func:`prefetch` already started this copy, its ticket is returned instead.
+    """
+    ticket = _take_prefetched(cpu, device, stride)
+    if ticket is not None:
+        _note("take", cpu)
+        return ticket
+    _note("start", cpu)
+    return _start_copy(cpu, device, stride)
+
+
+def prefetch(cpu: Tensor) -> int:
+    """Start bringing back ``cpu``, a host tensor :func:`offload` returned, to the device and
+    strides of the tensor it copies, now, ahead of the ``reload_start`` that will ask for
+    it; the copy's ticket stays with ``cpu`` until that takes it (or ``cpu`` dies, which
+    releases the copy).  Returns the bytes started (0: not an offloaded tensor, or its
+    reload is already started).  Not an op: the runtime calls it between graphs."""
+    info = _reload_of(cpu)
+    if info is None or info.ticket is not None:
+        return 0
+    _note("prefetch", cpu)
+    info.ticket = _start_copy(cpu, info.device, list(info.stride))
+    return cpu.numel() * cpu.element_size()
 
 
 def _drop_unwaited(ticket: int) -> None:
@@ -277,6 +403,7 @@ def reload_wait(
     on the current stream like any tensor.
     """
     key = int(ticket.item())  # a CPU tensor: no device synchronisation
+    _note("wait", cpu)
     entry = _in_flight.pop(key, None)
     if entry is None:
         raise RuntimeError(

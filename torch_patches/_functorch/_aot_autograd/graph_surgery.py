@@ -255,19 +255,25 @@ def insert_pack(
     return leaves
 
 
-def _reload_start_closure(gm: fx.GraphModule) -> set[fx.Node]:
-    """``saved_tensors_hooks::reload_start`` calls in an unpack graph and the nodes they depend on.
-
-    Placeholders excluded: they become backward inputs, placed at the top anyway.  Empty
-    when the graph starts no reload (every hook but ``cpu_offload`` and chains ending in it).
-    """
+def reload_starts(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``saved_tensors_hooks::reload_start`` calls of an unpack graph (none for every
+    hook but ``cpu_offload`` and chains ending in it)."""
     ns = getattr(torch.ops, "saved_tensors_hooks", None)
     op = getattr(ns, "reload_start", None) if ns is not None else None
     if op is None:  # torch_patches.hooks.offload never imported: no graph can call it
-        return set()
+        return []
     targets = (op, op.default)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def _reload_start_closure(gm: fx.GraphModule) -> set[fx.Node]:
+    """:func:`reload_starts` and the nodes they depend on.
+
+    Placeholders excluded: they become backward inputs, placed at the top anyway.  Empty
+    when the graph starts no reload.
+    """
     found: set[fx.Node] = set()
-    stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+    stack = reload_starts(gm)
     while stack:
         node = stack.pop()
         if node in found or node.op == "placeholder":

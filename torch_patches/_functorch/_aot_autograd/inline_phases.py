@@ -33,6 +33,7 @@ from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
     graph_surgery,
     hook_tracing,
+    offload_prefetch,
     saved_numerics,
     saved_tensor_records as records,
     utils as hook_utils,
@@ -338,6 +339,10 @@ def inline(
         plans.append(graph_surgery.SavedPlan(
             saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]
         ))
+    # The host tensors the backward reloads (cpu_offload): their graph's backward node starts
+    # them ahead, from the graph autograd runs before it (offload_prefetch).
+    reloads = [n.args[0] for p in plans for n in graph_surgery.reload_starts(p.unpack.gm)]
+    offload_prefetch.mark(inner_meta, len(reloads), sum(map(hook_utils.nbytes_of, reloads)))
     if not plans and not recomputed:
         records.log_records(compiled, artifact)
         records.publish(compiled)

@@ -26,7 +26,12 @@ from torch._functorch._aot_autograd import runtime_wrappers as _upstream_runtime
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches import _hook_identity as hook_keys
-from torch_patches._functorch._aot_autograd import graph_compile, saved_tensor_records as records, utils as hook_utils
+from torch_patches._functorch._aot_autograd import (
+    graph_compile,
+    offload_prefetch,
+    saved_tensor_records as records,
+    utils as hook_utils,
+)
 
 
 def _should_disable_saved_tensors_hooks() -> bool:
@@ -159,6 +164,16 @@ def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., A
         run = _runtime_context()
         if run is None:
             return runtime_wrapper
+        link = offload_prefetch.prefetching(kwargs["runtime_metadata"])
+        if link is not None:  # its backward starts the next graph's reloads
+
+            @functools.wraps(runtime_wrapper)
+            def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
+                out = run(runtime_wrapper, *a, **kw)
+                link(out)
+                return out
+
+            return _runtime_wrapper
 
         @functools.wraps(runtime_wrapper)
         def _runtime_wrapper(*a: Any, **kw: Any) -> Any:

@@ -188,6 +188,8 @@ class PlannedStorage:
     device_bytes: int  # what it holds on the device at the forward's end with that option
     estimated_ms: float  # the option's estimated cost
     reads: tuple[str, ...] = ()  # a recomputation's inputs
+    offered: tuple[str, ...] = ()  # the options the plan weighed for it (keep first)
+    copy_bytes: int = 0  # an offload's bytes copied each way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +224,20 @@ class BudgetPlanSummary:
     bounds: str = ""
     #: The same as data: ``"every_point"`` or ``"forward_end"``.
     bounded_at: str = "every_point"
+    #: The chosen offloads' copies: their time on the copy link (out and back, estimated)
+    #: and the part of it no compute hides; the reloads of the graphs autograd runs next
+    #: that this graph's backward holds, started ahead (``config.offload_prefetch_graphs``).
+    copy_ms: float = 0.0
+    copy_exposed_ms: float = 0.0
+    ahead_bytes: int = 0
+
+    def copies(self) -> str:
+        """The offloads' copies in words (empty without offloads)."""
+        if not self.copy_ms:
+            return ""
+        hidden = self.copy_ms - self.copy_exposed_ms
+        ahead = f"; {self.ahead_bytes} B of the next graph's reloads held in its backward" if self.ahead_bytes else ""
+        return f"offload copies {self.copy_ms:.3f} ms: {hidden:.3f} ms hidden by compute, {self.copy_exposed_ms:.3f} ms exposed{ahead}"
 
     def options(self) -> dict[str, str]:
         """Option per storage, keyed by the first saved tensor reading it."""
@@ -341,6 +357,8 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
         )
         if p.floor_bytes is not None:
             artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))
+        if p.copies():
+            artifact.debug("budget plan (%s): %s", p.scope, p.copies())
     if compiled.fallback:
         artifact.debug("eager fallback: %s", compiled.fallback)
 

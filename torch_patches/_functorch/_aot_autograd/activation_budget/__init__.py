@@ -42,7 +42,11 @@ graph, the budget and the config, all of which key the compiled graph):
   ``activation_budget_host_bandwidth``; only the part of each copy that the compute
   around it cannot cover counts: the device-to-host copy overlaps the forward compute after
   the tensor's last forward use, the host-to-device copy the compute of the
-  ``reload_prefetch_distance`` backward nodes before its first use.  Compute per node is
+  ``reload_prefetch_distance`` backward nodes before its first use; in a graph that is one of
+  several whose reloads start a graph ahead (``config.offload_prefetch_graphs``), the
+  neighbouring graphs' compute (each tensor its bytes' share of the graph's own compute, the
+  neighbours costing what it costs), and its backward holds the next graph's reloads
+  (:attr:`Plan.ahead_bytes`).  Compute per node is
   ``max(flops / activation_budget_flops, bytes / memory bandwidth)`` with flops from
   ``torch.utils.flop_counter``'s formulas.  Recompute costs the compute of its ops (views
   are free) plus a kernel each.
@@ -75,8 +79,9 @@ their fewest bytes, and what cannot be hooked.
 Modules:
 
 * :mod:`.planner` (the glue): :func:`plan` per budget pair, :func:`apply_plans` for a graph
-  pair's facts (:class:`GraphFacts`, built once), :func:`summarize`, :func:`option_hooks`,
-  :func:`backward_span`;
+  pair's facts (:class:`GraphFacts`, built once), :func:`option_hooks`, :func:`backward_span`;
+* :mod:`.summary`: :func:`summarize` (a fitted plan into its ``BudgetPlanSummary``, the floor's
+  warning and what holds it);
 * :mod:`.cost_model`: :class:`Rates`, :func:`options_for`, :func:`lossy_tolerance`, the
   compute per node (``_node_ms``, ``_flops``), :func:`windows` (offload overlap),
   :func:`graph_compute_ms`;
@@ -103,8 +108,8 @@ from torch_patches._functorch._aot_autograd.activation_budget.planner import (
     backward_span,
     option_hooks,
     plan,
-    summarize,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.summary import summarize
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import (
     RECOMPUTE_MAX_NODES,
     Recipe,

@@ -15,12 +15,13 @@ import torch.utils._pytree as pytree
 
 from torch_patches import _numerics, config
 from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
-from torch_patches._functorch._aot_autograd.utils import size_hint
+from torch_patches._functorch._aot_autograd.utils import nbytes_of, size_hint
 from torch_patches.hooks.select import numerics_safe
 
 
 __all__ = [
-    "KEEP", "LOSS", "RECOMPUTE", "Option", "Rates", "graph_compute_ms", "lossy_tolerance", "options_for", "windows",
+    "KEEP", "LOSS", "RECOMPUTE", "Option", "Rates", "copy_engine", "copy_ms", "graph_compute_ms", "lossy_tolerance", "options_for",
+    "windows",
 ]
 
 
@@ -55,6 +56,14 @@ class Rates:
 # ------------------------------------------------------------------------- options
 
 
+def copy_engine(device: torch.device) -> bool:
+    """Whether offloading from ``device`` frees device memory with copies that can run
+    beside the compute (CUDA: a copy stream to pinned host memory).  Elsewhere offload is a
+    plain copy to the same memory, never a storage option."""
+    return device.type == "cuda"
+
+
+
 def options_for(
     val: torch.Tensor, nbytes: int, allowed: tuple[str, ...], tolerance: str, window: tuple[float, float], rates: Rates
 ) -> list[Option]:
@@ -69,12 +78,11 @@ def options_for(
     bw, k = rates.memory_bytes_per_ms, rates.kernel_ms
     fp8_bytes = n + 4 * rows
     fp8_ms = (3 * n * s + 2 * n + 8 * rows) / bw + 3 * k
-    cuda = val.device.type == "cuda"
+    cuda = copy_engine(val.device)
 
-    def exposed(copy_bytes: int) -> float:
-        one_way = copy_bytes / rates.host_bytes_per_ms
-        fw_window, bw_window = window
-        return max(0.0, one_way - fw_window) + max(0.0, one_way - bw_window) + 2 * k
+    def offloaded(name: str, copy_bytes: int, compute_ms: float = 0.0) -> Option:
+        link, exposed = copy_ms(copy_bytes, window, rates)
+        return Option(name, 0, compute_ms + exposed + 2 * k, copy_bytes, link, exposed)
 
     bf16_ok = _numerics.tolerates(tolerance, _numerics.BF16)
     int8_ok = _numerics.tolerates(tolerance, _numerics.INT8)
@@ -86,9 +94,9 @@ def options_for(
     if fp8_ok and "fp8" in allowed and s > 1:
         out.append(Option("fp8", fp8_bytes, fp8_ms))
     if cuda and "offload" in allowed:
-        out.append(Option("offload", 0, exposed(nbytes)))
+        out.append(offloaded("offload", nbytes))
     if cuda and fp8_ok and "fp8+offload" in allowed and s > 1:
-        out.append(Option("fp8+offload", 0, fp8_ms + exposed(fp8_bytes)))
+        out.append(offloaded("fp8+offload", fp8_bytes, fp8_ms))
     return out
 
 
@@ -157,11 +165,37 @@ def graph_compute_ms(fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates) -> float:
 # ----------------------------------------------------------------- offload overlap
 
 
+def copy_ms(copy_bytes: int, window: tuple[float, float], rates: Rates) -> tuple[float, float]:
+    """An offload's copies of ``copy_bytes``, out and back: ``(time on the link, the part
+    of it the compute ``window`` (forward, backward) does not cover)``."""
+    one_way = copy_bytes / rates.host_bytes_per_ms
+    fw_window, bw_window = window
+    return 2 * one_way, max(0.0, one_way - fw_window) + max(0.0, one_way - bw_window)
+
+
 def windows(
-    saved: list[fx.Node], bw_inputs: dict[str, fx.Node], fw_g: fx.Graph, bw_g: fx.Graph, rates: Rates
+    saved: list[fx.Node],
+    bw_inputs: dict[str, fx.Node],
+    fw_g: fx.Graph,
+    bw_g: fx.Graph,
+    rates: Rates,
+    neighbours: bool = False,
 ) -> dict[fx.Node, tuple[float, float]]:
-    """Per saved tensor: the forward compute after its last use, and the compute of the
-    ``reload_prefetch_distance`` backward nodes before its first use (what hides a copy)."""
+    """Per saved tensor, the compute that hides its offload's copies, (forward, backward).
+
+    A graph that is its step: the forward compute after the tensor's last use, and the
+    compute of the ``reload_prefetch_distance`` backward nodes before its first use.
+
+    With ``neighbours`` (a graph that is one of several of its step, whose reloads start a
+    graph ahead: ``config.offload_prefetch_graphs``, ``offload_prefetch.py``) the copies
+    run behind the graphs beside it too: the forward's copies go on while the next graph's
+    forward runs, its reloads while the backward of the graph autograd runs before it.
+    Those graphs are taken to cost what this one costs (a model compiled block by block
+    repeats its blocks), and in the steady state of such a step one copy link carries each
+    graph's copies in the time of one graph's forward (and backward): each tensor gets the
+    share of this graph's forward and backward compute that its bytes are of the bytes in
+    ``saved``, so that offloading all of them hides ``max(0, copy time - compute)`` and no
+    more (the windows inside the graph would count the same link twice)."""
     fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
     fw_ms = [_node_ms(n, rates) for n in fw_nodes]
     bw_ms = [_node_ms(n, rates) for n in bw_nodes]
@@ -171,11 +205,17 @@ def windows(
     for i in range(len(fw_nodes) - 1, -1, -1):
         suffix[i] = suffix[i + 1] + fw_ms[i]
     distance = max(config.unpack_prefetch_distance, config.reload_prefetch_distance)
+    total = sum(map(nbytes_of, saved)) if neighbours else 0
+    fw_total, bw_total = suffix[0], sum(bw_ms)
     out = {}
     for s in saved:
         uses = [fw_pos[u] for u in s.users if u.op != "output"]
         last = max(uses, default=fw_pos[s])
         bw_in = bw_inputs.get(s.name)
         first = min((bw_pos[u] for u in bw_in.users), default=len(bw_nodes)) if bw_in is not None else len(bw_nodes)
-        out[s] = (suffix[last + 1], sum(bw_ms[max(0, first - distance) : first]))
+        if total:
+            share = nbytes_of(s) / total
+            out[s] = (share * fw_total, share * bw_total)
+        else:
+            out[s] = (suffix[last + 1], sum(bw_ms[max(0, first - distance) : first]))
     return out

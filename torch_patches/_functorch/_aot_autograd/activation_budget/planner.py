@@ -1,13 +1,12 @@
 """The budget's glue: from a compiled graph's saved tensors to a fitted :class:`Plan` per
 budget pair (:func:`plan`), and from the plans into the saved tensors' records (each
-record's option, hooks or recipe, and each plan's summary: :func:`apply_plans`).  The facts
+record's option, hooks or recipe, and each plan's summary, :mod:`.summary`: :func:`apply_plans`).  The facts
 of the graph pair every plan reads are built once (:class:`GraphFacts`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch_patches import _compile_facts, config
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
     Rates,
+    copy_engine,
     graph_compute_ms,
     lossy_tolerance,
     options_for,
@@ -25,6 +25,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
 )
 from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import Recipe, with_recipes
+from torch_patches._functorch._aot_autograd.activation_budget.summary import OFFLOADS, summarize
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     KEEP,
     LOSS,
@@ -45,15 +46,12 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     HOOKED,
     RECOMPUTED,
     BudgetPlanSummary,
-    PlannedStorage,
     SavedTensorRecord,
-    module_path,
 )
 from torch_patches._functorch._aot_autograd.saved_tensor_records import observed as records_observed
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 from torch_patches.hooks import chain, cpu_offload, inlineable
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
-from torch_patches._errors import SavedTensorsHookWarning
 
 
 #: What the plans are fitted with: the exact programme where it applies, else the greedy
@@ -188,9 +186,12 @@ def plan(
     nodes = [s for saved in planned.values() for s in saved]
     device = next((s.meta["val"].device for s in nodes), torch.device("cpu"))
     rates = Rates.for_device(device)
-    offload = any(o in spec.options for o in ("offload", "fp8+offload"))
-    if offload and any(s.meta["val"].device.type == "cuda" for s in nodes):
-        hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates)
+    offload = any(o in spec.options for o in OFFLOADS)
+    # One graph of several, whose reloads start a graph ahead (offload_prefetch): its
+    # copies hide behind the graphs beside it as well.
+    ahead = int(config.offload_prefetch_graphs) if facts.autograd_inputs else 0
+    if offload and any(copy_engine(s.meta["val"].device) for s in nodes):
+        hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates, neighbours=ahead > 0)
     else:  # no copy to hide: skip estimating the compute of every node
         hidden = dict.fromkeys(nodes, (0.0, 0.0))
     choices = []
@@ -202,7 +203,11 @@ def plan(
             per.append({o.name: o for o in opts})
         common = [name for name in per[0] if name != KEEP and all(name in p for p in per)]
         options = [Option(KEEP, storage[root], 0.0)] + [
-            Option(name, sum(p[name].device_bytes for p in per), sum(p[name].ms for p in per)) for name in common
+            Option(
+                name,
+                *(sum(getattr(p[name], f) for p in per) for f in ("device_bytes", "ms", "copy_bytes", "copy_ms", "exposed_ms")),
+            )
+            for name in common
         ]
         text = facts.records[saved[0]].describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
         why = next((facts.records[s].tolerance_why for s in saved if facts.records[s].tolerance_why), "")
@@ -232,6 +237,7 @@ def plan(
         if exact_first:  # the true times of what was chosen
             candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units)]
             candidate.preference = "least lossy"
+        candidate.ahead_bytes = _ahead_bytes(candidate, ahead)
         return candidate
 
     @functools.cache
@@ -278,6 +284,18 @@ def plan(
         + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
     )
     return _with_pareto(fastest, pareto)
+
+
+def _ahead_bytes(result: Plan, graphs: int) -> int:
+    """What the backward of a graph whose plan is ``result`` holds of the next ``graphs``
+    graphs' reloads, started ahead while it runs (``offload_prefetch``): as many bytes as
+    this graph reloads per graph (a model compiled block by block repeats its blocks), at
+    most ``config.offload_prefetch_bytes``."""
+    if graphs <= 0:
+        return 0
+    reloaded = graphs * sum(c.chosen.copy_bytes for c in result.choices if c.chosen.name in OFFLOADS)
+    limit = config.offload_prefetch_bytes
+    return reloaded if limit is None else min(reloaded, int(limit))
 
 
 def _loss(result: Plan) -> tuple[int, ...]:
@@ -327,127 +345,6 @@ def _floor_plan(run: Any, candidates: list[list[Choice]], target: int) -> Plan:
 def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[bool]:
     """Per choice: its tensor is the one reader of its storage (a recompute frees it)."""
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
-
-
-def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "") -> BudgetPlanSummary:
-    """The plan's summary (each storage's option); warns when the plan does not meet its
-    budget, naming its floor and what holds it there.  ``bounded_at``, ``bounds_why``:
-    which points the budget bounds, and that and why in words (:attr:`GraphFacts.bounds`)."""
-    peak, point = result.peak
-    floor, first = result.bounded
-    found = _compile_facts.facts() if result.label == "ambient" else None
-    cheap = found.partition_cheap_ratio if found is not None else None
-    units = tuple(
-        PlannedStorage(
-            tuple(n.name for n in c.members),
-            c.chosen.name,
-            c.chosen.device_bytes,
-            c.chosen.ms,
-            tuple(f.name for f in c.recipe.frontier) if c.chosen.name == RECOMPUTE and c.recipe is not None else (),
-        )
-        for c in result.choices
-    )
-    at = _last_peak(result)
-    holders = () if result.met else _floor_holders(result, at)
-    summary = BudgetPlanSummary(
-        scope=result.label,
-        spec=result.spec.describe(),
-        planned_bytes=result.predicted_bytes,
-        baseline_bytes=result.baseline_bytes,
-        budget_bytes=result.budget_bytes,
-        peak_bytes=peak,
-        peak_at=result.describe_point(point),
-        met=result.met,
-        preference=result.preference,
-        estimated_ms=result.estimated_ms,
-        units=units,
-        partitioner_ratio=cheap,
-        partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
-        pareto=getattr(result, "pareto", ()),
-        floor_bytes=None if result.met else floor,
-        floor_holders=tuple(text for _, text in holders),
-        bounds=bounds_why,
-        bounded_at=bounded_at,
-    )
-    if not result.met:
-        share = f" ({floor / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""
-        since = "" if at == first else f" (and from {result.describe_point(first)} on)"
-        bounded = "" if result.backward_bytes is None else f" (the budget bounds {bounds_why})"
-        warnings.warn(
-            f"torch_patches: activation memory {result.spec.describe()} of {result.budget_bytes} B "
-            f"cannot be met in scope {result.label!r}: its floor, the least the allowed options hold, "
-            f"is {floor} B{share}, held at {result.describe_point(at)}{since}{bounded}. What holds it there: "
-            f"{'; '.join(text for _, text in holders) or 'nothing'}. Planned at the floor (every point as low "
-            "as the options take it); torch._functorch.config.activation_memory_budget can recompute more",
-            SavedTensorsHookWarning,
-            stacklevel=2,
-        )
-    return summary
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
-def _named(choice: Choice) -> str:
-    """A storage's first saved tensor, with the module that computed it."""
-    node = choice.members[0]
-    module = module_path(node)
-    return f"{node.name} ({module})" if module else node.name
-
-
-def _last_peak(result: Plan) -> int:
-    """The latest point holding the peak of what the budget bounds (where the most storages
-    are already at full size: what no stored form can lower)."""
-    points, values = result.bounded_timeline()
-    top = max(values)
-    return max(p for p, v in zip(points, values) if v == top)
-
-
-def _floor_holders(result: Plan, point: int, most: int = 3) -> list[tuple[int, str]]:
-    """What ``result`` holds at ``point``, largest first, as ``(bytes, words)``: the
-    storages in use there at full size, those stored exact (and why), those at their fewest
-    bytes (per option), those a smaller form would not help, and what cannot be hooked.  At
-    most ``most`` storages are named per kind."""
-    in_use, kept_exact, smallest, other = [], [], {}, []
-    for c in result.choices:
-        if c.span.first <= point <= c.span.last:
-            in_use.append(c)
-        elif point < c.span.first and c.live(point):
-            if len(c.options) == 1:
-                kept_exact.append(c)
-            elif c.chosen is c.options[-1] or c.chosen.device_bytes == min(o.device_bytes for o in c.options):
-                smallest.setdefault(c.chosen.name, []).append(c)
-            else:
-                other.append(c)
-    out: list[tuple[int, str]] = []
-
-    def named(kind: list[Choice], words: str) -> None:
-        kind = sorted(kind, key=lambda c: -c.live(point))
-        total = sum(c.live(point) for c in kind)
-        if not total:
-            return
-        names = ", ".join(f"{_named(c)} {_size(c.live(point))}" for c in kind[:most])
-        more = f" and {len(kind) - most} more" if len(kind) > most else ""
-        out.append((total, f"{_size(total)} {words}: {names}{more}"))
-
-    named(in_use, "in use there at full size")
-    kept_exact.sort(key=lambda c: -c.live(point))
-    for c in kept_exact[:most]:
-        why = f" ({c.why_exact})" if c.why_exact else ""
-        out.append((c.live(point), f"{_named(c)} {_size(c.live(point))} kept exact{why}"))
-    named(kept_exact[most:], "kept exact in other storages")
-    for option, kind in smallest.items():
-        total = sum(c.live(point) for c in kind)
-        out.append((total, f"{_size(total)} already {option}, their fewest bytes ({len(kind)} storages)"))
-    named(other, "stored where fewer bytes would raise another point")
-    fixed = sum(span.live(point, n, n) for span, n in result.fixed)
-    if fixed:
-        out.append((fixed, f"{_size(fixed)} that cannot be hooked (integer tensors, graph inputs)"))
-    return sorted(out, key=lambda t: -t[0])
 
 
 def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple[dict[fx.Node, Recipe], list[BudgetPlanSummary]]:

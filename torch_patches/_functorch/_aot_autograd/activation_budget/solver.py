@@ -41,6 +41,11 @@ class Option:
     name: str
     device_bytes: int
     ms: float
+    #: An offload's: the bytes it copies each way, the copies' time on the copy link (out
+    #: and back), and the part of it no compute hides (counted in ``ms``).
+    copy_bytes: int = 0
+    copy_ms: float = 0.0
+    exposed_ms: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +117,10 @@ class Plan:
     #: that is one of several graphs of a step: the budget bounds its forward's end); None:
     #: the budget bounds every point.
     backward_bytes: int | None = None
+    #: Bytes the backward's points hold besides the plan's own storages: the reloads of the
+    #: graphs autograd runs next, started ahead while this graph's backward runs (set once
+    #: the plan is fitted; the backward's points may hold them on top of their bound).
+    ahead_bytes: int = 0
 
     @property
     def predicted_bytes(self) -> int:
@@ -147,9 +156,9 @@ class Plan:
             first = at[span.first]
             held(0, max(first, bisect.bisect_right(points, span.last)), nbytes)
         values, total = [], 0
-        for d in diff[:-1]:
+        for p, d in zip(points, diff):
             total += d
-            values.append(total)
+            values.append(total + (self.ahead_bytes if p >= 0 else 0))
         return points, values
 
     @property
@@ -159,11 +168,14 @@ class Plan:
         return _highest(*self.timeline())
 
     def slack(self, point: int) -> int:
-        """How many bytes more than the budget ``point`` may hold: 0 at the forward's end,
-        and at the backward's points unless :attr:`backward_bytes` allows more."""
-        if point < 0 or self.backward_bytes is None:
+        """How many bytes more than the budget ``point`` may hold: 0 at the forward's end;
+        at the backward's points what :attr:`backward_bytes` allows more, and the reloads
+        started ahead (:attr:`ahead_bytes`)."""
+        if point < 0:
             return 0
-        return max(0, self.backward_bytes - self.budget_bytes)
+        if self.backward_bytes is None:
+            return self.ahead_bytes
+        return max(0, self.backward_bytes - self.budget_bytes) + self.ahead_bytes
 
     def bounded_timeline(self) -> tuple[list[int], list[int]]:
         """:meth:`timeline` less each point's :meth:`slack`: what the budget bounds."""
