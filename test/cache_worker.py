@@ -148,12 +148,15 @@ def main():
         run(one)
 
 
-def run_in_one_fresh_process(runs):
+def run_in_one_fresh_process(runs, package_root=None):
     """Run the steps ``runs`` ((spec, cache dir) each) one after the other in one fresh
     process: (the finished process, their JSON lines with the gradients as 8x8 tensors, or
-    None if it failed)."""
+    None if it failed).  ``package_root``: a directory holding another ``torch_patches``
+    (another release of the patch set), imported instead of this one."""
     env = dict(os.environ)
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     spec = {"runs": [dict(s, cache_dir=d) for s, d in runs]}
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900

@@ -225,6 +225,22 @@ PATCHES: tuple[Patch, ...] = (
         tests=("test/test_offload.py",),
         area="offload",
     ),
+    Patch(
+        name="inductor.fx_graph_cache_keys_offload_code",
+        target="torch._inductor.codecache:FxGraphHashDetails.__init__",
+        replacement=f"{_TP}_inductor.codecache:make_fx_graph_hash_details_init",
+        wraps=True,
+        summary="[inductor] Key the FX graph cache of graphs holding saved-tensor offload ops on the code "
+        "that lowers and orders them",
+        upstream=f"{_BLOB}torch/_inductor/codecache.py",
+        retire_when="the offload ops' lowering and order are torch's own source, which torch_key() digests",
+        fingerprints=_fp("inductor.fx_graph_cache_keys_offload_code"),
+        depends_on=("torch._inductor.codecache:compiled_fx_graph_hash",),
+        after=("inductor.offload_order_kept",),
+        issue=50,
+        tests=("test/test_compile_cache.py", "test/test_offload.py"),
+        area="offload",
+    ),
 )
 
 
