@@ -162,7 +162,10 @@ PATCHES: tuple[Patch, ...] = (
         upstream=f"{_BLOB}torch/_functorch/_aot_autograd/runtime_wrappers.py",
         retire_when="upstream keeps masks/indices away from eager hooks and validates unpack results",
         fingerprints=_fp("aot.runtime_saved_tensors_hooks_context"),
-        depends_on=(f"{_RW}:_disable_saved_tensors_hooks",),
+        depends_on=(
+            f"{_RW}:_disable_saved_tensors_hooks",
+            f"{_RW}:_AnalyzeCustomOpInputOutputMode.__torch_dispatch__",
+        ),
         after=("aot.runtime_hooks_not_disabled_by_type",),
         issue=9,
         tests=('test/test_hook_contract.py',),
