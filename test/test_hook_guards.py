@@ -68,6 +68,33 @@ class TestHookGuards(TestCase):
                 self.assertGradsEqual([grads[-1]], fresh, exact=True)
                 self.assertFalse(torch.equal(grads[0], grads[-1]))
 
+    def test_new_small_sparse_tensor_each_step_compiles_once(self, device):
+        # A small CPU sparse tensor a hook captures is keyed by its indices and values, as a
+        # small dense one is (Dynamo takes no sparse graph inputs, so it is not lifted): a
+        # new hook with a new such tensor every step compiles once, past Dynamo's recompile
+        # limit; other values recompile once and are the ones used.
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter)
+        grads = []
+        for scale in [2.0] * (torch._dynamo.config.recompile_limit + 2) + [3.0] * 2:
+            captured = torch.tensor([[0.0, scale], [0.0, 0.0]]).to_sparse()
+
+            def pack(t, captured=captured):
+                return (t * captured.to_dense()[0, 1]).to(torch.bfloat16)
+
+            def unpack(t, captured=captured):
+                return t.to(torch.float32) / captured.to_dense()[0, 1]
+
+            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(*inlineable(pack, unpack)):
+                compiled(x).sum().backward()
+            grads.append(x.grad)
+        self.assertEqual(counter.frame_count, 2)
+        torch._dynamo.reset()
+        _, fresh = self.run_steps(device, "marked_function", [3.0])
+        self.assertGradsEqual([grads[-1]], fresh, exact=True)
+        self.assertFalse(torch.equal(grads[0], grads[-1]))
+
     def test_changed_code_recompiles(self, device):
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(fn, backend=counter)
@@ -265,6 +292,23 @@ class TestGuardIsALookup(TestCase):
         keys.append(_hook_identity.hook_identity(unpack).key)
         self.assertEqual(len(set(map(repr, keys))), 4)
         self.assertEqual(keys[-1], _hook_identity._walk(unpack, False)[0].key)
+
+    def test_keys_see_sparse_tensor_values(self, device):
+        # A small CPU sparse tensor is keyed by its indices and values: an equal one keys
+        # the same, an in-place change of its values is seen by the watches.
+        def make(captured):
+            def unpack(t):
+                return t / 2 * captured.to_dense()[0, 1]
+
+            return unpack
+
+        captured = torch.tensor([[0.0, 2.0], [0.0, 0.0]]).to_sparse()
+        unpack = make(captured)
+        key = _hook_identity.hook_identity(unpack).key
+        self.assertEqual(key, _hook_identity.hook_identity(make(captured.clone())).key)
+        self.assertEqual(_hook_identity.hook_identity(unpack).local, ())
+        captured._values().mul_(2)
+        self.assertNotEqual(_hook_identity.hook_identity(unpack).key, key)
 
     def test_recreated_hooks_walk_once_per_object_not_per_call(self, device):
         counter, blocks = self.blocks()
