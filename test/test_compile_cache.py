@@ -146,6 +146,17 @@ class TestCompileCache(TestCase):
                 self.assertEqual(again["saved_bytes"], half["saved_bytes"])
                 self.assertSameGrads(again, half)
 
+    def test_input_leafness_is_keyed(self):
+        # A budget's plan depends on whether autograd produced the graph's input: a call with
+        # a non-leaf input misses the entry a leaf input wrote, and hits its own.
+        leaf, non_leaf, again = self.steps(
+            dict(hook="budget", budget=0.5), dict(hook="budget", budget=0.5, non_leaf=True), dict(hook="budget", budget=0.5, non_leaf=True)
+        )
+        self.assertCache(leaf, "miss")
+        self.assertCache(non_leaf, "miss")
+        self.assertCache(again, "hit")
+        self.assertSameGrads(again, non_leaf)
+
     def test_changed_constant_misses_and_new_hook_runs(self):
         two = self.step(scale=2.0)
         self.assertCache(two, "miss")

@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_deps as deps
 from torch_patches import _hook_identity, config as tp_config
+from torch_patches._dynamo.output_graph import INPUT_LEAVES_SUBGRAPH
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
@@ -94,6 +95,25 @@ class TestHookGuards(TestCase):
         _, fresh = self.run_steps(device, "marked_function", [3.0])
         self.assertGradsEqual([grads[-1]], fresh, exact=True)
         self.assertFalse(torch.equal(grads[0], grads[-1]))
+
+    def test_input_leafness_is_guarded_and_keyed(self, device):
+        # The inliner reads whether an input that requires grad is a leaf (an activation its
+        # hooks may pack, a budget's bounds): a graph whose hooks are inlined is compiled
+        # per leafness, and its leafness is in the compile caches' key (a stand-in subgraph).
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(fn, backend=backend)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(*make_hooks("marked_function", 2.0)):
+            for inp in (x, x * 1, x, x * 1):
+                compiled(inp)
+        self.assertEqual(len(graphs), 2)
+        keys = [getattr(gm, INPUT_LEAVES_SUBGRAPH).code for gm in graphs]
+        self.assertNotEqual(keys[0], keys[1])
 
     def test_changed_code_recompiles(self, device):
         counter = CompileCounterWithBackend("aot_eager")
