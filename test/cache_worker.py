@@ -110,22 +110,23 @@ def run(spec):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 8, generator=gen, requires_grad=True)
     w = torch.randn(8, 8, generator=gen, requires_grad=True)
+    inp = x * 1 if spec.get("non_leaf") else x  # "non_leaf": an input autograd produced
     global HOOKS
     with warnings.catch_warnings(record=True) as caught, config.patch(spec.get("config", {})):
         warnings.simplefilter("always")
         if spec.get("in_region"):
             HOOKS = build_hooks(spec)
-            out = torch.compile(model_in_region, backend=spec["backend"], fullgraph=True)(x, w)
+            out = torch.compile(model_in_region, backend=spec["backend"], fullgraph=True)(inp, w)
         elif spec["hook"] == "none":  # e.g. config.activation_memory_budget
-            out = torch.compile(mlp, backend=spec["backend"])(x, w)
+            out = torch.compile(mlp, backend=spec["backend"])(inp, w)
         elif spec["hook"] == "budget":
             with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
-                out = torch.compile(mlp, backend=spec["backend"])(x, w)
+                out = torch.compile(mlp, backend=spec["backend"])(inp, w)
         else:
             with torch.autograd.graph.saved_tensors_hooks(*build_hooks(spec)):
-                out = torch.compile(model, backend=spec["backend"])(x, w)
+                out = torch.compile(model, backend=spec["backend"])(inp, w)
         # What the forward left for the backward (the plan's storage): bytes, inputs excluded.
-        saved = saved_bytes(out, exclude=(x, w))
+        saved = saved_bytes(out, exclude=(x, inp, w))
         out.sum().backward()
     print(
         json.dumps(
@@ -148,12 +149,15 @@ def main():
         run(one)
 
 
-def run_in_one_fresh_process(runs):
+def run_in_one_fresh_process(runs, package_root=None):
     """Run the steps ``runs`` ((spec, cache dir) each) one after the other in one fresh
     process: (the finished process, their JSON lines with the gradients as 8x8 tensors, or
-    None if it failed)."""
+    None if it failed).  ``package_root``: a directory holding another ``torch_patches``
+    (another release of the patch set), imported instead of this one."""
     env = dict(os.environ)
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     spec = {"runs": [dict(s, cache_dir=d) for s, d in runs]}
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900

@@ -985,6 +985,24 @@ class TestBudgetOnModels(BudgetTestCase):
             with self.assertRaisesRegex(Exception, r"torch_patches.config.activation_budget_bounds must be one of .* got 'layers'"):
                 _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.3))
 
+    def test_a_call_of_the_other_leafness_recompiles_and_plans_for_it(self, device):
+        # Which points a budget bounds depends on whether autograd produced the graph's input
+        # (a non-leaf): a call whose input's leafness differs from the compiled example's
+        # recompiles (Dynamo guards it for graphs whose hooks are inlined) and plans for it,
+        # where it kept the compiled example's plan before.
+        model, x = _model("mlp8", device, **_SIZES["mlp8"])
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        bounds = []
+        for inp in (x, x * 1, x, x * 1):  # a leaf, then a non-leaf, then both again
+            self.plan_log.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the floor's warning
+                _step(compiled, model, inp, budget(0.3, options=_NO_OFFLOAD))
+            bounds += [p.bounds.split(":")[0] for p in self.plan_log.plans]
+        self.assertEqual(bounds, ["every point", "the forward's end"])
+        self.assertEqual(counter.frame_count, 2)
+
     def test_plan_is_applied_as_logged(self, device):
         # The same gradients as hand-written select pairs doing what the log says; the
         # tensors it recomputes are exact, so by hand they are kept.

@@ -8,15 +8,18 @@ counters and that the gradients are those of the hook that was asked for.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 
+import torch_patches
 from cache_worker import run_in_one_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
 from torch_patches._hook_identity import hook_cache_hash, hooks_cache_key
@@ -48,14 +51,15 @@ class TestCompileCache(TestCase):
         (result,) = self.steps(spec)
         return result
 
-    def steps(self, *specs, cache_dirs=None):
+    def steps(self, *specs, cache_dirs=None, package_root=None):
         """``specs`` one after the other in one fresh process (each in its own cache dir
-        of ``cache_dirs``, else this test's): their results."""
+        of ``cache_dirs``, else this test's; the torch_patches under ``package_root``, else
+        this one): their results."""
         runs = []
         for i, spec in enumerate(specs):
             spec = {"hook": "gm", "scale": 2.0, "backend": "inductor", **spec}
             runs.append((spec, cache_dirs[i] if cache_dirs else self.cache_dir.name))
-        proc, results = run_in_one_fresh_process(runs)
+        proc, results = run_in_one_fresh_process(runs, package_root)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         return results
 
@@ -84,6 +88,33 @@ class TestCompileCache(TestCase):
                 # The hit runs the graphs compiled for these hooks, and only those: a
                 # Python hook re-run on the packed tensors would change the gradients.
                 self.assertSameGrads(second, first)
+
+    def test_changed_inductor_patches_miss_inductor_cache(self):
+        # Another release of the patch set, whose offload lowering differs by a comment
+        # line, compiled into the same cache directories (the default keeps them across
+        # upgrades). AOTAutogradCache misses (the hooks' key holds our source); Inductor's
+        # cache misses for the graphs holding offload ops (code generated under the other
+        # release's lowering and order is never served) and still hits for the others.
+        other_release = os.path.join(self.cache_dir.name, "other_release")
+        shutil.copytree(
+            os.path.dirname(torch_patches.__file__),
+            os.path.join(other_release, "torch_patches"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        with open(os.path.join(other_release, "torch_patches", "_inductor", "lowering.py"), "a") as f:
+            f.write("# another release\n")
+        hooks = ("cpu_offload", "gm")
+        dirs = [os.path.join(self.cache_dir.name, hook) for hook in hooks]
+        before = self.steps(*(dict(hook=hook) for hook in hooks), cache_dirs=dirs, package_root=other_release)
+        after = self.steps(*(dict(hook=hook) for hook in hooks), cache_dirs=dirs)
+        for hook, first, second in zip(hooks, before, after):
+            with self.subTest(hook=hook):
+                self.assertCache(first, "miss")
+                self.assertCache(second, "miss")
+                self.assertSameGrads(second, first)
+        offload, plain = after
+        self.assertEqual(offload["inductor"], {"fxgraph_cache_miss": 2})
+        self.assertEqual(plain["inductor"], {"fxgraph_cache_hit": 2})
 
     def test_changed_budget_misses_once(self):
         # The plan is a function of the budget: a changed budget misses (and plans anew),
@@ -114,6 +145,17 @@ class TestCompileCache(TestCase):
                 self.assertCache(again, "hit")
                 self.assertEqual(again["saved_bytes"], half["saved_bytes"])
                 self.assertSameGrads(again, half)
+
+    def test_input_leafness_is_keyed(self):
+        # A budget's plan depends on whether autograd produced the graph's input: a call with
+        # a non-leaf input misses the entry a leaf input wrote, and hits its own.
+        leaf, non_leaf, again = self.steps(
+            dict(hook="budget", budget=0.5), dict(hook="budget", budget=0.5, non_leaf=True), dict(hook="budget", budget=0.5, non_leaf=True)
+        )
+        self.assertCache(leaf, "miss")
+        self.assertCache(non_leaf, "miss")
+        self.assertCache(again, "hit")
+        self.assertSameGrads(again, non_leaf)
 
     def test_changed_constant_misses_and_new_hook_runs(self):
         two = self.step(scale=2.0)
@@ -187,6 +229,29 @@ class TestCompileCache(TestCase):
                 out = torch.compile(model, backend="aot_eager")(x, w)
             out.sum().backward()
             self.assertGradsEqual(result["grads"], [x.grad, w.grad], exact=True)
+
+
+class TestInductorCacheKey(TestCase):
+    # Fast twin of TestCompileCache.test_changed_inductor_patches_miss_inductor_cache: the FX
+    # graph cache key of a graph holding an offload op follows our source, others do not.
+    def test_offload_graphs_are_keyed_on_our_source(self):
+        from torch._inductor.codecache import compiled_fx_graph_hash
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from torch_patches.hooks import offload  # noqa: F401 - defines the ops
+
+        x = torch.randn(4, 4)
+        with_offload = make_fx(lambda x: torch.ops.saved_tensors_hooks.offload.default(x.sin(), False))(x)
+        without = make_fx(lambda x: x.sin().cos())(x)
+
+        def keys():
+            return [compiled_fx_graph_hash(gm, [x], {}, [])[0] for gm in (with_offload, without)]
+
+        ours = keys()
+        with mock.patch("torch_patches._inductor.codecache.own_source_digest", return_value="another release"):
+            other = keys()
+        self.assertNotEqual(ours[0], other[0])
+        self.assertEqual(ours[1], other[1])
 
 
 class TestHookCacheKey(TestCase):

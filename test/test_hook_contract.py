@@ -291,8 +291,53 @@ class TestUnpackValidation(TestCase):
             y.sum().backward()
 
 
+class Scale(torch.Tensor):
+    """A tensor subclass with no ``__torch_dispatch__`` of its own."""
+
+
+class TestHooksReadingSubclasses(TestCase):
+    # Hooks that run as eager hooks (Python hooks, or inlineable ones that fell back) run at
+    # a compiled graph's first call too, where upstream's runtime wrapper has entered its
+    # check of the graph's custom ops: a subclass the hook reads must not meet it.
+    def fn(self, x):
+        return x.sin().exp().cos()
+
+    def hooks(self, device, traceable=True):
+        scale = torch.full((4,), 2.0, device=device).as_subclass(Scale)
+
+        def pack(x):
+            s = scale[0]
+            if not traceable:  # .item(): not traceable, so the pair falls back to eager hooks
+                s = s + x.abs().max().item() * 0
+            return x * s  # a power of two: lossless, gradients equal those without hooks
+
+        def unpack(p):
+            return p / scale[0]
+
+        return pack, unpack
+
+    def check(self, device, pack, unpack, fallbacks):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        self.fn(x).sum().backward()
+        expected, x.grad = x.grad, None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                torch.compile(self.fn, backend="aot_eager")(x).sum().backward()
+        fell_back = [w for w in caught if "Falling back to eager" in str(w.message)]
+        self.assertEqual(len(fell_back), fallbacks, [str(w.message) for w in caught])
+        self.assertGradsEqual([x.grad], [expected], exact=True)
+
+    def test_python_hooks_read_a_subclass(self, device):
+        self.check(device, *self.hooks(device), fallbacks=0)
+
+    def test_eager_fallback_reads_a_subclass(self, device):
+        self.check(device, *inlineable(*self.hooks(device, traceable=False)), fallbacks=1)
+
+
 instantiate_device_type_tests(TestDtypePolicy, globals())
 instantiate_device_type_tests(TestUnpackValidation, globals())
+instantiate_device_type_tests(TestHooksReadingSubclasses, globals())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_deps as deps
 from torch_patches import _hook_identity, config as tp_config
+from torch_patches._dynamo.output_graph import INPUT_LEAVES_SUBGRAPH
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
@@ -67,6 +68,52 @@ class TestHookGuards(TestCase):
                 _, fresh = self.run_steps(device, kind, [3.0])
                 self.assertGradsEqual([grads[-1]], fresh, exact=True)
                 self.assertFalse(torch.equal(grads[0], grads[-1]))
+
+    def test_new_small_sparse_tensor_each_step_compiles_once(self, device):
+        # A small CPU sparse tensor a hook captures is keyed by its indices and values, as a
+        # small dense one is (Dynamo takes no sparse graph inputs, so it is not lifted): a
+        # new hook with a new such tensor every step compiles once, past Dynamo's recompile
+        # limit; other values recompile once and are the ones used.
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter)
+        grads = []
+        for scale in [2.0] * (torch._dynamo.config.recompile_limit + 2) + [3.0] * 2:
+            captured = torch.tensor([[0.0, scale], [0.0, 0.0]]).to_sparse()
+
+            def pack(t, captured=captured):
+                return (t * captured.to_dense()[0, 1]).to(torch.bfloat16)
+
+            def unpack(t, captured=captured):
+                return t.to(torch.float32) / captured.to_dense()[0, 1]
+
+            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(*inlineable(pack, unpack)):
+                compiled(x).sum().backward()
+            grads.append(x.grad)
+        self.assertEqual(counter.frame_count, 2)
+        torch._dynamo.reset()
+        _, fresh = self.run_steps(device, "marked_function", [3.0])
+        self.assertGradsEqual([grads[-1]], fresh, exact=True)
+        self.assertFalse(torch.equal(grads[0], grads[-1]))
+
+    def test_input_leafness_is_guarded_and_keyed(self, device):
+        # The inliner reads whether an input that requires grad is a leaf (an activation its
+        # hooks may pack, a budget's bounds): a graph whose hooks are inlined is compiled
+        # per leafness, and its leafness is in the compile caches' key (a stand-in subgraph).
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(fn, backend=backend)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(*make_hooks("marked_function", 2.0)):
+            for inp in (x, x * 1, x, x * 1):
+                compiled(inp)
+        self.assertEqual(len(graphs), 2)
+        keys = [getattr(gm, INPUT_LEAVES_SUBGRAPH).code for gm in graphs]
+        self.assertNotEqual(keys[0], keys[1])
 
     def test_changed_code_recompiles(self, device):
         counter = CompileCounterWithBackend("aot_eager")
@@ -265,6 +312,23 @@ class TestGuardIsALookup(TestCase):
         keys.append(_hook_identity.hook_identity(unpack).key)
         self.assertEqual(len(set(map(repr, keys))), 4)
         self.assertEqual(keys[-1], _hook_identity._walk(unpack, False)[0].key)
+
+    def test_keys_see_sparse_tensor_values(self, device):
+        # A small CPU sparse tensor is keyed by its indices and values: an equal one keys
+        # the same, an in-place change of its values is seen by the watches.
+        def make(captured):
+            def unpack(t):
+                return t / 2 * captured.to_dense()[0, 1]
+
+            return unpack
+
+        captured = torch.tensor([[0.0, 2.0], [0.0, 0.0]]).to_sparse()
+        unpack = make(captured)
+        key = _hook_identity.hook_identity(unpack).key
+        self.assertEqual(key, _hook_identity.hook_identity(make(captured.clone())).key)
+        self.assertEqual(_hook_identity.hook_identity(unpack).local, ())
+        captured._values().mul_(2)
+        self.assertNotEqual(_hook_identity.hook_identity(unpack).key, key)
 
     def test_recreated_hooks_walk_once_per_object_not_per_call(self, device):
         counter, blocks = self.blocks()

@@ -243,6 +243,32 @@ class TestHookInputs(TestCase):
         bw_scale = next(n for n in bw.graph.find_nodes(op="placeholder") if n.name == scale_input.name)
         self.assertTrue(any(u.target is torch.ops.aten.div.Tensor for u in bw_scale.users))
 
+    def test_input_source_does_not_depend_on_what_compiled_before(self, device):
+        # The lifted tensor's source (what AOTAutogradCache's key holds of it, with the
+        # Dynamo graph's input) is the hook's and the path's, whatever the process compiled
+        # before: the same graph, the same key (fast twin of
+        # TestHookInputsAcrossProcesses.test_cache_key_does_not_depend_on_what_compiled_before).
+        holder = Scaled(2.0, device)
+        inputs = []
+
+        def backend(gm, example_inputs):
+            inputs.append([n.name for n in gm.graph.find_nodes(op="placeholder")])
+            return gm.forward
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        for compile_another_first in (False, True, True):
+            torch._dynamo.reset()
+            with torch.autograd.graph.saved_tensors_hooks(*holder.hooks()):
+                if compile_another_first:
+                    torch.compile(lambda x: x.cos(), backend="eager")(x)
+                inputs.clear()
+                torch.compile(lambda x: x.sin(), backend=backend)(x)
+            self.assertEqual(len(inputs), 1)
+            if not compile_another_first:
+                first = inputs[0]
+            self.assertEqual(inputs[0], first)
+        self.assertEqual(len(first), 2)  # the tensor the hooks read, and x
+
     def test_value_read_into_python_is_not_inlined(self, device):
         scale = torch.tensor(2.0, device=device)
 
@@ -400,6 +426,19 @@ class TestHookInputsAcrossProcesses(TestCase):
         proc, results = run_in_one_fresh_process(runs)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         return results
+
+    def test_cache_key_does_not_depend_on_what_compiled_before(self):
+        # The same step twice in one fresh process, one cache dir: the second hits, although
+        # the process compiled the first before it.
+        from cache_worker import run_in_one_fresh_process
+
+        with tempfile.TemporaryDirectory() as shared:
+            spec = dict(hook="marked", tensor_scale=True, scale=2.0, backend="inductor")
+            proc, (first, second) = run_in_one_fresh_process([(spec, shared), (spec, shared)])
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertEqual(first["aot"].get("autograd_cache_miss", 0), 1, first["aot"])
+        self.assertEqual(second["aot"].get("autograd_cache_hit", 0), 1, second["aot"])
+        self.assertGradsEqual(second["grads"], first["grads"], exact=True)
 
     def test_cache_hit_computes_with_its_own_value(self):
         with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryDirectory() as alone:

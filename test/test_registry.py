@@ -149,7 +149,15 @@ class TestApplyUnapply(TestCase):
     def test_offload_area_opt_out(self):
         originals = {p.name: _raw(p) for p in PATCHES}
         offload = {p.name for p in PATCHES if p.area == "offload"}
-        self.assertEqual(offload, {"inductor.free_without_reuse", "inductor.no_inplace_reuse", "inductor.offload_order_kept"})
+        self.assertEqual(
+            offload,
+            {
+                "inductor.free_without_reuse",
+                "inductor.no_inplace_reuse",
+                "inductor.offload_order_kept",
+                "inductor.fx_graph_cache_keys_offload_code",
+            },
+        )
         torch_patches.apply(offload=False)
         try:
             self.assertEqual(set(torch_patches.applied_patches()), {p.name for p in PATCHES} - offload)

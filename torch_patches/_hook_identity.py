@@ -20,7 +20,7 @@ from torch_patches import config
 from torch_patches._hook_kinds import is_inlineable_hook, pair_is_inlineable
 from torch_patches._hook_inputs import find_inputs
 from torch_patches._hook_watch import Watches
-from torch_patches._hook_walk import _TENSOR_VALUE_NUMEL, HookIdentity, _Walker, digest, own_source_digest
+from torch_patches._hook_walk import HookIdentity, _Walker, digest, own_source_digest, value_keyed
 
 
 # Attribute names found in each hook's reachable code, so the next walk of the same hook
@@ -120,17 +120,13 @@ def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
         _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
     except TypeError:
         pass
-    pins = tuple(p for p in walker.pins if isinstance(p, torch.Tensor) and not _value_keyed(p))
+    pins = tuple(p for p in walker.pins if isinstance(p, torch.Tensor) and not value_keyed(p))
     return HookIdentity(
         key=key,
         local=tuple(dict.fromkeys(walker.local)),
         unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
         pins=pins,
     ), walker
-
-
-def _value_keyed(t: torch.Tensor) -> bool:
-    return t.numel() <= _TENSOR_VALUE_NUMEL and t.device.type == "cpu"
 
 
 def config_key() -> Any:

@@ -11,7 +11,8 @@ the way its code reads the world and sorts every dependency into one of three ou
     user objects and classes it reaches (instances, namespaces, ``nn.Module``\\ s with their
     parameters, buffers and submodules, ``functools.partial``, bound methods, callable
     instances, staticmethod/classmethod), fx ``GraphModule`` code and attributes, and small
-    CPU tensors by their bytes.  A change: one recompile, one cache miss.  The same hook
+    CPU tensors by their bytes (a sparse one's indices and values: Dynamo takes no sparse
+    graph inputs, so it is never lifted).  A change: one recompile, one cache miss.  The same hook
     recreated: the same key.
 (b) **process-local** (``HookIdentity.local`` says why): tensors keyed by value would cost
     too much per guard check (more than ``_TENSOR_VALUE_NUMEL`` elements, or not on the
@@ -85,7 +86,7 @@ from torch_patches._hook_code import (
     _volatile_name,
 )
 from torch_patches._hook_kinds import CACHE_HASH_ATTR
-from torch_patches._hook_watch import Watches, tensor_bytes
+from torch_patches._hook_watch import Watches, tensor_bytes, tensor_parts
 
 
 # Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.
@@ -108,6 +109,15 @@ _REPR_ATOMS = (
     range,
     slice,
 )
+
+
+def value_keyed(t: torch.Tensor) -> bool:
+    """Whether the walk keys ``t`` by its values: a plain CPU tensor, strided or sparse, of
+    at most ``_TENSOR_VALUE_NUMEL`` elements (a sparse tensor's: its indices' and values')."""
+    if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        return False
+    parts = tensor_parts(t)
+    return parts is not None and sum(p.numel() for p in parts) <= _TENSOR_VALUE_NUMEL
 
 
 @functools.lru_cache(maxsize=1)
@@ -242,8 +252,8 @@ class _Walker:
     def tensor(self, t: torch.Tensor) -> Any:
         from torch._subclasses.fake_tensor import is_fake
 
-        meta = ("tensor", str(t.dtype), tuple(t.shape), tuple(t.stride()), str(t.device),
-                t.requires_grad, type(t).__qualname__)
+        meta = ("tensor", str(t.dtype), tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else str(t.layout),
+                str(t.device), t.requires_grad, type(t).__qualname__)
         if is_fake(t):
             self.unkeyable.append("it captures a fake tensor (made while tracing), which has no value to run with")
             return meta
@@ -252,12 +262,7 @@ class _Walker:
             # compiled graph depends on; Dynamo guards it at its source.
             self.watches.tensor(t, "meta")
             return meta + ("lifted",)
-        if (
-            t.numel() <= _TENSOR_VALUE_NUMEL
-            and t.device.type == "cpu"
-            and t.layout == torch.strided
-            and type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
-        ):
+        if value_keyed(t):
             self.watches.tensor(t, "bytes")
             return meta + ("value", hashlib.sha256(tensor_bytes(t)).hexdigest()[:24])
         self.watches.tensor(t, "version")

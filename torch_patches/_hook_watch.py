@@ -122,18 +122,51 @@ def _equal(read: Callable[[], Any], expected: Any) -> bool:
     return read() == expected
 
 
+#: A sparse tensor's strided parts, per layout: its indices and its values.
+_SPARSE_PARTS: dict[torch.layout, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+def tensor_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The strided tensors holding ``t``'s values: ``t`` itself, or a sparse tensor's
+    indices and values (None for another layout)."""
+    if t.layout == torch.strided:
+        return (t,)
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is None:
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisableTorchDispatch():  # read outside tracing
+        return parts(t)
+
+
+def _strided_bytes(t: torch.Tensor) -> bytes:
+    data = t.detach().contiguous()
+    nbytes = data.numel() * data.element_size()
+    if nbytes:
+        # Straight from memory: no numpy (torch does not require it).
+        return ctypes.string_at(data.data_ptr(), nbytes)
+    return repr(data.tolist()).encode()
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of a (small, CPU, strided) tensor's values, read outside whatever mode is
-    tracing (fake, proxy, functional)."""
+    """The bytes of a (small, CPU) tensor's values, read outside whatever mode is tracing
+    (fake, proxy, functional); of a sparse tensor, its indices' and values' (with their
+    shapes and dtypes, and whether a COO tensor is coalesced)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch._C._DisableTorchDispatch():
-        data = t.detach().contiguous()
-        nbytes = data.numel() * data.element_size()
-        if nbytes:
-            # Straight from memory: no numpy (torch does not require it).
-            return ctypes.string_at(data.data_ptr(), nbytes)
-        return repr(data.tolist()).encode()
+        if t.layout == torch.strided:
+            return _strided_bytes(t)
+        parts = tensor_parts(t) or ()
+        head = repr((t.is_coalesced() if t.layout == torch.sparse_coo else None, [(p.dtype, p.shape) for p in parts]))
+        return b"".join((head.encode(), *map(_strided_bytes, parts)))
 
 
 def tensor_state(t: torch.Tensor, what: str) -> tuple[Any, ...]:

@@ -462,6 +462,12 @@ EFFECTS = {
         "(it plans, and logs only the baseline's estimate); on an H100 the inlined `cpu_offload()` "
         f"peak went from 1.00x to 0.55x of no hooks at 1.05x step time ({_BENCH}, GPU check)"
     ),
+    "inductor.fx_graph_cache_keys_offload_code": (
+        "none upstream, where the offload ops' lowering and order are torch's source and "
+        "`torch_key()` digests them; in the patch set, a process of another release misses "
+        "Inductor's cache for graphs holding the offload ops (2 misses where it took 2 stale hits "
+        "for `cpu_offload()`) and still hits for the others"
+    ),
     "logging.torch_patches_artifact": (
         '`TORCH_LOGS="saved_tensors_hooks"` is accepted; the artifact logs from the inliner\'s '
         "commit on (one record line per saved tensor, the graphs after inlining)"
@@ -519,6 +525,10 @@ RISKS = {
     "inductor.offload_order_kept": (
         "graphs holding offload ops lose Inductor's peak-memory reordering of their other nodes; "
         "the inliner's placement stands for it"
+    ),
+    "inductor.fx_graph_cache_keys_offload_code": (
+        "one walk of each graph's nodes while its key is made; only graphs holding the offload "
+        "ops change keys"
     ),
     "logging.torch_patches_artifact": "one more artifact name; off by default",
     "inductor.offload_lowering": (

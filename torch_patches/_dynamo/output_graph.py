@@ -75,6 +75,55 @@ def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -
     return fx.GraphModule(torch.nn.Module(), graph, class_name=f"saved_tensors_{role}_hook_{name}")
 
 
+#: The stand-in subgraph carrying which graph inputs autograd produced (:func:`key_input_leafness`).
+INPUT_LEAVES_SUBGRAPH = "saved_tensors_hooks_input_leaves"
+
+
+def _input_leaves_stand_in(leaves: str) -> None:
+    """Stands for the leafness of the graph's inputs in the compile caches' key; never run."""
+    raise RuntimeError("saved tensors hooks subgraphs are cache keys, never run")
+
+
+def key_input_leafness(gm: fx.GraphModule) -> None:
+    """A graph finalizer of frames whose hooks are inlined: guard, and key, whether each
+    input that requires grad is a leaf.
+
+    The inliner reads it (``ViewAndMutationMeta.input_info``, from the example input): an
+    input autograd produced is an activation its hooks may pack (``activation_inputs``), and
+    a graph with one is one of several in its step, where a budget bounds the forward's end
+    (``activation_budget.GraphFacts.bounds``); a leaf is kept by the caller (a recomputation
+    may read it).  Dynamo guards ``requires_grad`` but not leafness, and AOTAutogradCache's
+    key holds neither: here each such input's ``is_leaf`` is guarded at its source (one
+    attribute compared per call), and the leafness of all of them is the code of a stand-in
+    subgraph of ``gm`` (:data:`INPUT_LEAVES_SUBGRAPH`), which the cache's key holds as it
+    holds the hooks' stand-ins.  Parameters are leaves by construction: not guarded."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource
+
+    leaves = []
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        value = node.meta.get("example_value")
+        arg = node.meta.get("grapharg")
+        if (
+            not isinstance(value, torch.Tensor)
+            or not value.requires_grad
+            or isinstance(value, torch.nn.Parameter)
+            or getattr(arg, "source", None) is None
+        ):
+            continue
+        install_guard(AttrSource(arg.source, "is_leaf").make_guard(GuardBuilder.EQUALS_MATCH))
+        leaves.append((i, value.is_leaf))
+    graph = fx.Graph()
+    graph.output(graph.call_function(_input_leaves_stand_in, (repr(leaves),)))
+    setattr(gm, INPUT_LEAVES_SUBGRAPH, fx.GraphModule(torch.nn.Module(), graph, class_name=INPUT_LEAVES_SUBGRAPH))
+
+
+def key_input_leafness_of(output: Any) -> None:
+    """Register :func:`key_input_leafness` for the graphs ``output`` compiles (once)."""
+    if key_input_leafness not in output.register_finalizer_fns:
+        output.add_graph_finalizer(key_input_leafness)
+
+
 def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
@@ -104,4 +153,5 @@ def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
     ]
     if names != ["saved_tensors_hooks_pack_0", "saved_tensors_hooks_unpack_0"]:
         raise AssertionError(f"saved tensors hooks installed as {names}")
+    key_input_leafness_of(self)
     return names

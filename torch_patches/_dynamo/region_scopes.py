@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs, _hook_walk
-from torch_patches._dynamo import symbolic_convert
+from torch_patches._dynamo import output_graph, symbolic_convert
 from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
 
@@ -121,5 +121,6 @@ def register_hooks_scope(tx: Any, pair: Any, lifted: list[tuple[Any, Any]]) -> s
             output.saved_tensors_hooks_subgraph_names = names = []
         names.append(name)
         installed[key] = hook_tracing.HookPair(pair.pack, pair.unpack, name)
+        output_graph.key_input_leafness_of(output)
         found.hook_inputs.extend((name, t, node) for t, node in lifted)
     return key

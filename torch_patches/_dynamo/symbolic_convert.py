@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs
+from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs, _hook_walk
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._errors import SavedTensorsHookWarning
 
@@ -97,6 +97,48 @@ def lift_inputs(
     return lifted, constants
 
 
+#: The attribute of an installed fetch function naming what it fetches: (role, path).
+_FETCHES = "__saved_tensors_hook_input__"
+
+
+def install_fetch(output: Any, role: str, path: tuple[Any, ...]) -> tuple[str, Callable[[], Any]]:
+    """Install in the frame's globals the function that fetches the tensor at ``path`` from
+    the ``role`` hook active at each call (``_hook_inputs.current_input``); its name, and it.
+
+    The name is the role's and the path's, never a process-wide counter (Dynamo's
+    ``install_global``): it is part of the input's source, which AOTAutogradCache's key holds
+    (``aot_autograd_arg_pos_to_source``), so a counter made the key of the same graph depend
+    on what the process compiled before it.  Compiled codes of one module reading a tensor
+    at the same path share the one global (the function depends on the role and the path
+    only); each holds it, and the last one freed removes it, as Dynamo's own cleanup does."""
+    name = f"__saved_tensors_hook_input_{role}_{_hook_walk.digest(path)}"
+    scope = output.global_scope
+    fetch = scope.get(name)
+    if getattr(fetch, _FETCHES, None) != (role, path):
+        # Run by the guards and the compiled frame at each call: never traced itself.
+        fetch = torch._dynamo.disable(
+            functools.partial(hook_inputs.current_input, role, path, hook_utils.ambient_saved_tensors_hooks),
+            reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
+        )
+        if name in scope:  # someone else's global of that name: a name of Dynamo's making
+            return output.install_global("__saved_tensors_hook_input", fetch), fetch
+        setattr(fetch, _FETCHES, (role, path))
+        fetch.holders = 0  # type: ignore[attr-defined]
+        scope[name] = fetch
+    if name not in output.installed_globals:
+        output.installed_globals.add(name)
+        fetch.holders += 1  # type: ignore[attr-defined]
+        output.cleanups.append(functools.partial(_release_fetch, scope, name, fetch))
+    return name, fetch
+
+
+def _release_fetch(scope: dict[str, Any], name: str, fetch: Any) -> None:
+    """A compiled code holding ``fetch`` was freed: the last one removes it."""
+    fetch.holders -= 1
+    if fetch.holders == 0 and scope.get(name) is fetch:
+        del scope[name]
+
+
 def lift_hook_inputs(tx: Any) -> None:
     """Add the tensors the ambient hooks read as graph inputs of ``tx``'s frame."""
     from torch._dynamo.source import CallFunctionNoArgsSource, GlobalSource
@@ -111,12 +153,7 @@ def lift_hook_inputs(tx: Any) -> None:
         return
 
     def read_at(fn: Any, t: Any) -> tuple[Any, torch.Tensor]:
-        # Run by the guards and the compiled frame at each call: never traced itself.
-        fetch: Callable[[], Any] = torch._dynamo.disable(
-            functools.partial(hook_inputs.current_input, t.role, t.path, hook_utils.ambient_saved_tensors_hooks),
-            reason="reads the tensor a saved-tensors hook reads now (torch_patches)",
-        )
-        name = tx.output.install_global("__saved_tensors_hook_input", fetch)
+        name, fetch = install_fetch(tx.output, t.role, t.path)
         return CallFunctionNoArgsSource(GlobalSource(name)), fetch()
 
     lifted, constants = lift_inputs(tx, [("pack", hooks[0]), ("unpack", hooks[1])], read_at)

@@ -14,8 +14,9 @@ caller drops its own reference as the next block runs), it is not a parameter or
 every saved tensor that shares its storage is packed too.  Inputs that pass all of this are
 hooked under ``"donated"``; the reason any other one is not is logged.  The facts come from
 the graph's own metadata (``ViewAndMutationMeta``, upstream's descriptor of each input), so
-nothing here guesses at runtime state; leafness is the example input's, which Dynamo does
-not guard: a later call with a leaf costs one packed copy of that input, never a wrong value.
+nothing here guesses at runtime state; leafness is the example input's, which Dynamo guards
+for graphs whose hooks are inlined (``_dynamo/output_graph.key_input_leafness``): a call
+with the other leafness recompiles.
 ``torch_patches.config.hook_activation_inputs = False`` restores upstream's rule.
 """
 
@@ -110,9 +111,8 @@ def autograd_inputs(fw_module: fx.GraphModule, inner_meta: Any, static_input_ind
     """The forward's placeholders that autograd produced before the graph: non-leaf
     inputs that require grad, not parameters or buffers.  A graph with one is one
     of several graphs of its step (per-block compilation, a graph break): other graphs'
-    saved tensors are held beside its own.  Leafness is the example input's, which Dynamo
-    does not guard (see the module).  Empty when the placeholders cannot be mapped to
-    input descriptors."""
+    saved tensors are held beside its own.  Leafness is the example input's, guarded (see
+    the module).  Empty when the placeholders cannot be mapped to input descriptors."""
     placeholders, infos = described_placeholders(fw_module, inner_meta)
     if len(infos) != len(placeholders):
         return []

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torch._functorch._aot_autograd import runtime_wrappers as _upstream_runtime_wrappers
+from torch.utils import _python_dispatch
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
@@ -77,6 +78,22 @@ def _restride(out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return fixed
 
 
+def _run_as_eager(hook: Callable[[Any], Any], arg: Any) -> Any:
+    """Call a user's hook as eager code would: outside the dispatch mode upstream's runtime
+    wrapper enters around a graph's first call (``_AnalyzeCustomOpInputOutputMode``, its
+    check of the graph's custom ops).  Autograd calls a pack hook while that call saves
+    tensors, so the hook would run under the mode, which defers every tensor subclass to the
+    subclass's own dispatch and leaves one with none (``t.as_subclass(Scale)`` read as
+    ``t[0]``) to fail in the dispatcher (fixed in torch 2.15).  The hook is not part of the
+    compiled graph that mode checks."""
+    if torch._C._len_torch_dispatch_stack() and isinstance(
+        _python_dispatch._get_current_dispatch_mode(), _upstream_runtime_wrappers._AnalyzeCustomOpInputOutputMode
+    ):
+        with _python_dispatch._pop_mode_temporarily():
+            return hook(arg)
+    return hook(arg)
+
+
 def _contract_hooks(
     pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
@@ -85,7 +102,7 @@ def _contract_hooks(
     def contract_pack(t: torch.Tensor) -> Any:
         if not hook_utils.is_hookable_dtype(t.dtype):
             return _Unhooked(t)
-        return _Hooked(pack(t), t)
+        return _Hooked(_run_as_eager(pack, t), t)
 
     def contract_unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _Unhooked):

@@ -1,0 +1,59 @@
+"""Inductor's FX graph cache: a graph holding saved-tensor offload ops is keyed on our code.
+
+Upstream counterpart: ``FxGraphHashDetails`` in ``torch/_inductor/codecache.py``, everything
+an FX graph cache key is made of (the graph, its inputs, Inductor's config, custom passes'
+``uuid()``...).  Among them ``torch_key()``, a digest of torch's own source: Inductor's code
+changes what it generates, so an entry written by another torch is never served.
+
+The patch set changes what Inductor generates for graphs holding the offload ops
+(``saved_tensors_hooks::offload`` / ``reload_start`` / ``reload_wait``): the offload
+lowering frees, never reuses, the buffer a copy still reads (``lowering.py``,
+``codegen/wrapper.py``) and such graphs keep the inliner's order (``memory.py``).  That code
+is ours, not torch's, so ``torch_key()`` does not cover it: a process of another release of
+the patch set, sharing the cache directory (the default keeps it across upgrades), would be
+served the code generated under the other release's lowering and order.  The details of a
+graph holding one of those ops also hold the digest of our source
+(``_hook_walk.own_source_digest``, which AOTAutogradCache's key of hooks holds too); other
+graphs' keys are unchanged.  Upstream, where these changes are torch's own source, the digest
+is empty and nothing is added.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_patches._hook_walk import own_source_digest
+from torch_patches._inductor.memory import OFFLOAD_OPS
+
+
+#: The attribute of ``FxGraphHashDetails`` holding the digest (part of the pickled key).
+OFFLOAD_DIGEST_ATTR = "saved_tensors_hooks_offload_source"
+
+
+def holds_offload_ops(gm: Any) -> bool:
+    """Whether the FX graph ``gm`` (or a subgraph of it) calls one of :data:`OFFLOAD_OPS`."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "name", None) in OFFLOAD_OPS:
+                return True
+    return False
+
+
+def make_fx_graph_hash_details_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FxGraphHashDetails.__init__``: the details of a graph holding offload ops
+    also hold the digest of our source (see the module)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, gm: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, gm, *args, **kwargs)
+        digest = own_source_digest()
+        if digest and gm is not None and holds_offload_ops(gm):
+            setattr(self, OFFLOAD_DIGEST_ATTR, digest)
+
+    return __init__
