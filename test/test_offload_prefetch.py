@@ -109,8 +109,11 @@ class TestReloadsAhead(TestCase):
         ``ahead`` places after it at most, and taken and waited for by its own backward."""
         offloaded = [t for event, t, _ in log if event == "offload"]
         self.assertTrue(offloaded)
-        per_block = len(offloaded) // n
-        block_of = {t: f"block{i // per_block}" for i, t in enumerate(offloaded)}
+        # A tensor belongs to the block whose backward waits for it (one wait each).
+        waits = [(t, where) for event, t, where in log if event == "wait"]
+        self.assertEqual(sorted(t for t, _ in waits), sorted(offloaded))
+        block_of = dict(waits)
+        self.assertEqual(set(block_of.values()), {f"block{i}" for i in range(n)})
         for event, t, where in log:
             if event == "offload":
                 self.assertEqual(where, "forward")
@@ -156,9 +159,10 @@ class TestReloadsAhead(TestCase):
         with tp_config.patch(offload_prefetch_graphs=2):
             log, _ = self.order(device, "aot_eager")
         self.assert_ahead(log, 4, ahead=2)
-        per_block = sum(e == "offload" for e, _, _ in log) // 4
+        waited_in = {t: w for e, t, w in log if e == "wait"}
         first = [t for e, t, w in log if e == "prefetch" and w == "block3"]
-        self.assertEqual(len(first), 2 * per_block)  # blocks 2 and 1
+        self.assertEqual({waited_in[t] for t in first}, {"block2", "block1"})
+        self.assertEqual(len(first), sum(w in ("block2", "block1") for w in waited_in.values()))
         torch._dynamo.reset()
         # A byte limit below one tensor: each backward starts one reload ahead.
         with tp_config.patch(offload_prefetch_graphs=2, offload_prefetch_bytes=1):
