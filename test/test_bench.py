@@ -380,7 +380,7 @@ class TestBudgetSweep(TestCase):
         self.assertEqual(summary["rises"], [(0.5, 0.9)])  # 0.5 measured above 0.9
         self.assertEqual(summary["above_stock"], [0.5])  # 600 > 1.02 * 580
         table = budget_sweep.format_table(summary, 0.02)
-        self.assertIn("| 0.1 | 0.40 | floor | 0.50 | 0.70 | 1.20 | 1.50 |", table)
+        self.assertIn("| 0.1 | 0.40 | floor | - | 0.50 | 0.70 | 1.20 | 1.50 |", table)
         self.assertIn("rises from F=0.5 to F=0.9; above stock's + 2% at F = 0.5", table)
         self.assertIn("floor held by: logits 64 MiB in use there at full size", table)
         # A model compiled to two graphs whose loss graph cannot meet it says so.
@@ -396,6 +396,40 @@ class TestBudgetSweep(TestCase):
         summary = budget_sweep.summarize(self.results({0.3: 400, 0.6: 400}, {0.3: 395, 0.6: 500}, plans), [0.3, 0.6], 0.02)
         self.assertEqual((summary["rises"], summary["above_stock"]), ([], []))
         self.assertIn("never rises as F falls; at or below stock's + 2% at every F", budget_sweep.format_table(summary, 0.02))
+
+    def test_planned_step_peak_beside_the_measured(self) -> None:
+        # Each plan says what its graph holds at its forward's end (planned_bytes) and the
+        # most it holds in its backward with its own tensors (predicted_peak_bytes). The step
+        # holds every call's saved bytes and one backward's extra on top.
+        from torch_patches.bench import budget_sweep
+
+        def plan(planned, predicted, compile_id):
+            return {**self.plan(planned, 1000, True), "planned_bytes": planned, "predicted_peak_bytes": predicted,
+                    "compile_id": compile_id}
+
+        whole = [plan(100, 400, "0/0")]
+        self.assertEqual(budget_sweep.call_order(whole, None), [0])
+        self.assertEqual(budget_sweep.planned_step_peak(whole, [0]), 400)
+        # A graph break: while the second graph's backward runs, the first holds its bytes.
+        broken = [plan(100, 400, "0/0"), plan(60, 350, "1/0")]
+        self.assertEqual(budget_sweep.planned_step_peak(broken, budget_sweep.call_order(broken, None)), 450)
+        # Four layers sharing one graph (frame 0), the loss apart (frame 1): at the loss's
+        # backward every layer holds its saved bytes.
+        per_layer = [plan(50, 120, "0/0"), plan(30, 200, "1/0")]
+        self.assertEqual(budget_sweep.call_order(per_layer, 4), [0, 0, 0, 0, 1])
+        self.assertEqual(budget_sweep.planned_step_peak(per_layer, [0, 0, 0, 0, 1]), 4 * 50 + 200)
+        # Layers that recompile (frame 0 twice): one graph each, the last repeated.
+        recompiled = [plan(50, 120, "0/0"), plan(50, 120, "0/1"), plan(30, 200, "1/0")]
+        self.assertEqual(budget_sweep.call_order(recompiled, 4), [0, 1, 1, 1, 2])
+        self.assertIsNone(budget_sweep.planned_step_peak([self.plan(1, 1, True)], [0]))
+        results = self.results({0.5: 420, 0.3: 300}, {0.5: 450, 0.3: 350}, {0.5: whole, 0.3: [plan(50, 230, "0/0")]})
+        summary = budget_sweep.summarize(results, [0.3, 0.5], 0.02)
+        lines = {line["fraction"]: line for line in summary["lines"]}
+        self.assertEqual((lines[0.5]["planned_peak"], round(lines[0.5]["planned_off"], 3)), (0.4, 0.048))
+        self.assertEqual(summary["planned_off"], [0.3])  # 230 against 300 measured
+        table = budget_sweep.format_table(summary, 0.02)
+        self.assertIn("| 0.5 | 0.10 | met | 0.40 | 0.42 |", table)
+        self.assertIn("planned peak more than 10% off the measured one at F = 0.3", table)
 
     def test_offload_rows_listed_under_the_table(self) -> None:
         # Where the device has a copy engine the sweep also runs cpu_offload() and fp8 +

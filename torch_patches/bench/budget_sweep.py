@@ -19,10 +19,13 @@ point of the backward, or, in a graph that is one of several such as a decoder l
 compiled on its own (``--compile-per layer``), at its forward's end: what the budget
 bounds; summed over the compiled graphs) as a fraction of what they save
 without hooks, whether every graph's plan met its budget (or in how many graphs), or the
-floor it stopped at (the largest holders, from the plan's summary); the measured peak and the median step time of
-``budget(F)`` and of stock, as ratios against the row without hooks.  Below it: whether
-the measured peak of ``budget(F)`` never rises as F falls, and the fractions where it is
-above stock's by more than ``--tolerance``.
+floor it stopped at (the largest holders, from the plan's summary); the step's peak the
+plans predict (while a graph's backward runs, the graphs called before it hold their saved
+bytes: :func:`planned_step_peak`); the measured peak and the median step time of ``budget(F)`` and
+of stock; peaks and times as ratios against the row without hooks.  Below it: whether the
+measured peak of ``budget(F)`` never rises as F falls, the fractions where it is above
+stock's by more than ``--tolerance``, and those where the planned peak is more than 10% off
+the measured one.
 
 Where the device has a copy engine (CUDA), the rows ``offload`` (``cpu_offload()``) and
 ``fp8+offload`` (``chain(fp8_rowwise(), cpu_offload())``) run too, measured the same way
@@ -43,6 +46,7 @@ import time
 from typing import Any
 
 from torch_patches.bench.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
+from torch_patches.bench.models import CALLS
 
 
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -53,13 +57,44 @@ def _step(row: dict[str, Any]) -> tuple[int | None, float | None]:
     return (seed["peak_bytes"], seed["step_ms"]) if seed else (None, None)
 
 
-def plan_of(row: dict[str, Any]) -> dict[str, Any] | None:
+def call_order(plans: list[dict[str, Any]], layers: int | None) -> list[int]:
+    """The order in which a step's forward calls the plans' graphs (plans are in compile
+    order, the forward's): each once, but where each decoder layer is compiled on its own
+    (``layers`` given) the graphs of the first frame compiled (the layers', recompiles
+    included) make the first ``layers`` calls: one graph for all of them, or one each (a
+    layer that recompiles), the last one repeated where there are fewer."""
+    if not layers or not plans:
+        return list(range(len(plans)))
+    frame = lambda p: (p.get("compile_id") or "").split("/")[0]  # noqa: E731
+    of_layers = [i for i, p in enumerate(plans) if frame(p) == frame(plans[0])]
+    calls = (of_layers + [of_layers[-1]] * layers)[:layers]
+    return calls + [i for i in range(len(plans)) if i not in of_layers]
+
+
+def planned_step_peak(plans: list[dict[str, Any]], order: list[int]) -> int | None:
+    """The step's peak the plans predict, the graphs called in ``order``: while one graph's
+    backward runs (they run in reverse), the graphs called before it hold their saved bytes
+    at their forward's end and those called after it are done; so the most of, over the
+    calls, what the calls before hold plus the call's predicted peak (its saved tensors with
+    its gradients, intermediates and outputs, forward and backward)."""
+    if not plans or any(p.get("predicted_peak_bytes") is None for p in plans):
+        return None
+    best = held = 0
+    for i in order:
+        best = max(best, held + plans[i]["predicted_peak_bytes"])
+        held += plans[i]["planned_bytes"]
+    return best
+
+
+def plan_of(row: dict[str, Any], layers: int | None = None) -> dict[str, Any] | None:
     """The plans of a ``budget:F`` row summed over its graphs: planned peak and saved bytes,
-    met (all graphs), the floors' holders."""
+    met (all graphs), the floors' holders, and the step's peak they predict
+    (:func:`planned_step_peak`; ``layers``: the model is compiled per decoder layer)."""
     plans = row.get("plans") or []
     if not plans:
         return None
     return {
+        "step_peak_bytes": planned_step_peak(plans, call_order(plans, layers)),
         # What the budget bounds: a graph of several, its forward's end (bounds).
         "peak_bytes": sum(p["planned_bytes"] if p.get("bounded_at") == "forward_end" else p["peak_bytes"] for p in plans),
         # What the graphs save without hooks or budget: where the partitioner's cheap
@@ -74,16 +109,24 @@ def plan_of(row: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolerance: float) -> dict[str, Any]:
-    """Per fraction: plan, measured peaks and times as ratios to the row without hooks;
-    then monotonicity and the fractions above stock (beyond ``tolerance``)."""
+def summarize(
+    results: dict[str, dict[str, Any]], fractions: list[float], tolerance: float, layers: int | None = None
+) -> dict[str, Any]:
+    """Per fraction: plan, the step peak it predicts, measured peaks and times as ratios to
+    the row without hooks; then monotonicity, the fractions above stock (beyond
+    ``tolerance``) and those whose planned peak is more than 10% off the measured one
+    (``layers``: compiled per decoder layer, see :func:`call_order`)."""
     base_peak, base_ms = _step(results["compiled"])
     lines = []
     for f in fractions:
         ours, stock = results[f"budget:{f:g}"], results[f"amb:{f:g}"]
         (op, oms), (sp, sms) = _step(ours), _step(stock)
-        plan = plan_of(ours)
+        plan = plan_of(ours, layers)
+        planned = plan["step_peak_bytes"] if plan else None
         lines.append({
+            "planned_peak_bytes": planned,
+            "planned_peak": _ratio(planned, base_peak),
+            "planned_off": abs(planned - op) / op if planned is not None and op else None,
             "fraction": f,
             "plan_peak": plan["peak_bytes"] / plan["baseline_bytes"] if plan and plan["baseline_bytes"] else None,
             "plan_met": plan["met"] if plan else None,
@@ -108,8 +151,13 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
         {"row": name, "peak": _ratio(_step(row)[0], base_peak), "time": _ratio(_step(row)[1], base_ms), "error": row.get("error")}
         for name, row in results.items() if name in OFFLOAD_ROWS
     ]
+    off = [line["fraction"] for line in lines if line["planned_off"] is not None and line["planned_off"] > PLANNED_TOLERANCE]
     return {"base_peak_bytes": base_peak, "base_step_ms": base_ms, "lines": lines, "rises": rises, "above_stock": above,
-            "offload": offload}
+            "planned_off": off, "offload": offload}
+
+
+#: How far a planned step peak may be from the measured one.
+PLANNED_TOLERANCE = 0.1
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -122,8 +170,8 @@ def _x(value: float | None) -> str:
 
 def format_table(summary: dict[str, Any], tolerance: float) -> str:
     out = [
-        "| F | plan peak / saved | plan | `budget(F)` peak x | stock peak x | `budget(F)` time x | stock time x |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "| F | plan peak / saved | plan | planned peak x | `budget(F)` peak x | stock peak x | `budget(F)` time x | stock time x |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for line in summary["lines"]:
         plan = "-" if line["plan_met"] is None else ("met" if line["plan_met"] else "floor")
@@ -131,7 +179,7 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
         if graphs > 1 and 0 < met < graphs:
             plan = f"met in {met} of {graphs} graphs"
         out.append(
-            f"| {line['fraction']:g} | {_x(line['plan_peak'])} | {plan} | {_x(line['ours_peak'])} | "
+            f"| {line['fraction']:g} | {_x(line['plan_peak'])} | {plan} | {_x(line.get('planned_peak'))} | {_x(line['ours_peak'])} | "
             f"{_x(line['stock_peak'])} | {_x(line['ours_time'])} | {_x(line['stock_time'])} |"
         )
     base = summary["base_peak_bytes"]
@@ -144,6 +192,12 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
         + (f"at or below stock's + {tolerance:.0%} at every F" if not summary["above_stock"]
            else "above stock's + {:.0%} at F = {}".format(tolerance, ", ".join(f"{f:g}" for f in summary["above_stock"])))
     )
+    off = summary.get("planned_off")
+    if off is not None:
+        out.append(
+            f"planned peak within {PLANNED_TOLERANCE:.0%} of the measured one at every F" if not off
+            else "planned peak more than {:.0%} off the measured one at F = {}".format(PLANNED_TOLERANCE, ", ".join(f"{f:g}" for f in off))
+        )
     floors = {tuple(line["floor"]) for line in summary["lines"] if line["floor"]}
     for floor in floors:
         out.append("floor held by: " + "; ".join(floor))
@@ -177,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="one torch.compile of the model, or of each decoder layer (as FSDP2 / torchtitan)")
     parser.add_argument("--bounds", choices=("auto", "every_point", "forward_end"), default="auto",
                         help="torch_patches.config.activation_budget_bounds for the budget rows")
+    parser.add_argument("--call", choices=CALLS, default="bench",
+                        help="bench: the loss inside what is compiled, KV cache off; hf_default: as HF Trainer "
+                        "calls the model (labels=, KV cache at its default), the HF model compiled")
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
     args = parser.parse_args(argv)
 
@@ -191,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps: at least 4 (the first compiles, the third is measured, the rest timed)")
     sizes = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab,
                  steps=args.steps, eval_every=args.steps, eval_batches=1, backend=args.backend, device=args.device,
-                 compile_per=args.compile_per, budget_bounds=args.bounds)
+                 compile_per=args.compile_per, budget_bounds=args.bounds, call=args.call)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
           f"vocab {args.vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-          f"compiled per {args.compile_per}, budget bounds {args.bounds}", flush=True)
+          f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}", flush=True)
     out = {"torch": torch.__version__, "sizes": sizes, "fractions": fractions, "models": {}}
     for model in [m for m in args.models.split(",") if m]:
         cfg = TrainConfig(model=model, **sizes)
@@ -206,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.time()
             results[row] = run_in_subprocess(cfg, row, [0])
             print(f"  {model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-        summary = summarize(results, fractions, args.tolerance)
+        summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
         out["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
         print(f"\n{model}:\n{format_table(summary, args.tolerance)}", flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

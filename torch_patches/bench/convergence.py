@@ -56,7 +56,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch_patches.bench.convergence_report import format_table, plot, summarize
-from torch_patches.bench.models import LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
+from torch_patches.bench.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
 
 
 #: The rows of a default run.
@@ -113,6 +113,11 @@ class TrainConfig:
     compile_per: str = "model"
     #: ``torch_patches.config.activation_budget_bounds`` for the ``budget:F`` rows.
     budget_bounds: str = "auto"
+    #: How the model is called (``models.CALLS``): ``"bench"``, the loss computed inside
+    #: what is compiled with HF's KV cache off; ``"hf_default"``, as HF Trainer calls it
+    #: (``labels=``, the cache at its default: on), the HF model itself compiled (whole
+    #: model), its logits and cache returned beside the loss and dropped by the caller.
+    call: str = "bench"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -123,6 +128,8 @@ class TrainConfig:
             raise ValueError(f"vocab must be at least {VOCAB} (the text is bytes), got {self.vocab}")
         if self.compile_per not in ("model", "layer"):
             raise ValueError(f"compile_per must be 'model' or 'layer', got {self.compile_per!r}")
+        if self.call not in CALLS:
+            raise ValueError(f"call must be one of {CALLS}, got {self.call!r}")
 
 
 # --------------------------------------------------------------------------- data
@@ -189,7 +196,7 @@ def build(cfg: TrainConfig) -> Any:
         lm = MODELS[cfg.model](vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
     except ImportError as e:
         raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
-    return causal_lm_loss(lm)
+    return causal_lm_loss(lm, cfg.call)
 
 
 # ---------------------------------------------------------------------------- rows
@@ -309,6 +316,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     fn = model
     if row.compiled and cfg.compile_per == "layer":
         compile_per_layer(model.lm, backend=cfg.backend, loss=True)
+    elif row.compiled and cfg.call == "hf_default":
+        model.lm.compile(backend=cfg.backend)  # the HF model's graph returns logits and cache
     elif row.compiled:
         fn = torch.compile(model, backend=cfg.backend)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -363,7 +372,7 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
             }
     out["warnings"] = sorted({str(w.message) for w in caught if "torch_patches" in str(w.message)})
     # The budget plans of the compiled graphs (the first compile's: one per graph).
-    out["plans"] = [plan_row(p) for c in compiled for p in c.plans]
+    out["plans"] = [{**plan_row(p), "compile_id": c.compile_id} for c in compiled for p in c.plans]
     return out
 
 

@@ -77,14 +77,26 @@ def compile_per_layer(lm: Any, backend: str = "inductor", loss: bool = False) ->
         lm.loss_function = torch.compile(lm.loss_function, backend=backend)
 
 
-def causal_lm_loss(lm: Any) -> Any:
+#: How a causal language model is called (:func:`causal_lm_loss`).
+CALLS = ("bench", "hf_default")
+
+
+def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
     """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
-    ids, it returns the mean next-token loss.  Without a KV cache (``use_cache=False``, as
-    training runs): with HF's cache on, each decoder layer compiled on its own recompiles
-    (its guard reads whether the cache's own layer is filled yet), so past Dynamo's
-    ``recompile_limit`` (8) the other layers run eagerly, and the keys and values it keeps
-    are graph outputs that no saved-tensor hook can free."""
+    ids, it returns the mean next-token loss.
+
+    ``call="bench"``: without a KV cache (``use_cache=False``, as training runs): with HF's
+    cache on, each decoder layer compiled on its own recompiles (its guard reads whether the
+    cache's own layer is filled yet), so past Dynamo's ``recompile_limit`` (8) the other
+    layers run eagerly.  ``call="hf_default"``: as HF Trainer calls it, ``labels=`` given and
+    ``use_cache`` at the model's default (on): ``lm`` returns its logits and the cache's keys
+    and values beside the loss (when ``lm`` itself is compiled, outputs of its graph), and
+    the caller keeps only the loss."""
     import torch
+
+    if call not in CALLS:
+        raise ValueError(f"call must be one of {CALLS}, got {call!r}")
+    extra = {"use_cache": False} if call == "bench" else {}
 
     class CausalLMLoss(torch.nn.Module):
         def __init__(self) -> None:
@@ -92,7 +104,7 @@ def causal_lm_loss(lm: Any) -> Any:
             self.lm = lm
 
         def forward(self, ids: Any) -> Any:
-            return self.lm(input_ids=ids, labels=ids, use_cache=False).loss
+            return self.lm(input_ids=ids, labels=ids, **extra).loss
 
     return CausalLMLoss()
 

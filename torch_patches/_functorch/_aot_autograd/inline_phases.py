@@ -106,6 +106,28 @@ def _filtered_by_mode(
     return {saved_tensors[i] for i in idxs}
 
 
+def _output_aliases(
+    fw_module: fx.GraphModule, bw_module: fx.GraphModule, saved_tensors: list[fx.Node], num_inner_fwd_outputs: int
+) -> set[fx.Node]:
+    """Saved tensors ``donated`` mode leaves alone only because they share a storage with an
+    output of the forward (the logits and the KV cache a Hugging Face model returns beside its
+    loss): packing one frees nothing while the caller holds the output.  A training step keeps
+    its loss and drops the rest right after the forward, so a budget plan may store them
+    otherwise (upstream's own test of the other aliases, without the forward's outputs)."""
+    from torch._functorch._aot_autograd import graph_compile as gc
+
+    def vals(nodes: Any) -> list[Any]:
+        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+
+    ins = vals(fw_module.graph.find_nodes(op="placeholder"))
+    outs = vals(fw_module.graph.output_node().args[0][:num_inner_fwd_outputs])
+    bw_outs = vals(bw_module.graph.output_node().args[0])
+    saved = vals(saved_tensors)
+    without_outputs = set(gc.collect_fw_donated_buffer_idxs(ins, [], bw_outs, saved))
+    donated = set(gc.collect_fw_donated_buffer_idxs(ins, outs, bw_outs, saved))
+    return {saved_tensors[i] for i in without_outputs - donated}
+
+
 def stock_pareto() -> tuple[tuple[float, int, float], ...]:
     """The partitioner's pareto of this compilation (only while a report records)."""
     found = _compile_facts.facts()
@@ -130,12 +152,22 @@ def _filter(
     candidates: list[records.SavedTensorRecord],
     allowed: set[fx.Node] | None,
     inputs: dict[fx.Node, str | None],
+    output_aliases: set[fx.Node] = frozenset(),
 ) -> None:
     """Leave unhooked what the hooks may not see: upstream's filtering mode, our dtype
-    policy, and tensors the backward does not use."""
+    policy, and tensors the backward does not use.  A budget pair's plan also sees the saved
+    tensors that ``donated`` mode filters only because a forward output shares their storage
+    (``output_aliases``)."""
     mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
     for r in candidates:
         saved = r.node
+        if allowed is not None and saved not in allowed and saved in output_aliases and r.pair.kind.budget is not None:
+            r.aliases_output = True
+            if not hook_utils.is_hookable_dtype(r.dtype):
+                r.leave("filter", f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})")
+            else:
+                r.take(r.pair, "hooks", "aliases a forward output: stored otherwise, freed once the caller drops the output")
+            continue
         if allowed is not None and saved not in allowed:
             root = act_inputs.storage_root(saved)
             if inputs.get(root) is not None:
@@ -290,7 +322,9 @@ def inline(
         hook_tracing.check_keyable(pair)
 
     # Phase 1: decide and trace every hook. Nothing is modified until all of them traced.
-    _filter(candidates, allowed, inputs)
+    budgeted = any(r.pair.kind.budget is not None for r in candidates)
+    output_aliases = _output_aliases(fw_module, bw_module, saved_tensors, num_inner_fwd_outputs) if allowed is not None and budgeted else set()
+    _filter(candidates, allowed, inputs, output_aliases)
     _select(candidates)
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
     # tensor in their scope takes the storage option its plan chose, or is kept.

@@ -89,6 +89,8 @@ class SavedTensorRecord:
         packed_bytes: bytes of its packed form on its device (0: offloaded), when hooked.
         pack_after: the forward node its pack follows; ``unpack_before``: the backward node
             its unpack precedes (the first use, ``unpack_prefetch_distance`` earlier).
+        aliases_output: it shares its storage with an output of the forward (a budget plan
+            stores it otherwise all the same: the caller drops such outputs after the forward).
     """
 
     name: str
@@ -115,6 +117,7 @@ class SavedTensorRecord:
     packed_bytes: int | None = None
     pack_after: str | None = None
     unpack_before: str | None = None
+    aliases_output: bool = False
     # Compile-time only: the graphs' nodes and the hook pairs (dropped by :func:`publish`).
     node: fx.Node | None = dataclasses.field(default=None, repr=False)
     bw_input: fx.Node | None = dataclasses.field(default=None, repr=False)
@@ -230,6 +233,11 @@ class BudgetPlanSummary:
     copy_ms: float = 0.0
     copy_exposed_ms: float = 0.0
     ahead_bytes: int = 0
+    #: The step's peak the plan predicts: its saved tensors with what the graphs hold beside
+    #: them (gradients, intermediates, outputs: ``activation_budget/working_set.py``), and
+    #: where.
+    predicted_peak_bytes: int | None = None
+    predicted_peak_at: str = ""
 
     def copies(self) -> str:
         """The offloads' copies in words (empty without offloads)."""
@@ -260,6 +268,9 @@ class CompiledSavedTensors:
     #: set at each ``activation_memory_budget`` fraction, ``(fraction, saved activation
     #: bytes, estimated recomputation ms)`` (``torch_patches/_functorch/partitioners.py``).
     stock_pareto: tuple[tuple[float, int, float], ...] = ()
+    #: Dynamo's id of the compilation (``"frame/recompile"``): graphs of one frame's
+    #: recompiles share the frame (each decoder layer's, when the layers recompile).
+    compile_id: str | None = None
 
     def __getitem__(self, name: str) -> SavedTensorRecord:
         for r in self.records:
@@ -317,6 +328,7 @@ def publish(compiled: CompiledSavedTensors) -> None:
     """
     for r in compiled.records:
         r.node = r.bw_input = r.pair = r.chosen = None
+    compiled.compile_id = _compile_id()
     found = _compile_facts.facts()
     if found is not None:
         found.saved_tensors.append(compiled)
@@ -335,7 +347,14 @@ def keep_with(runtime_metadata: Any) -> None:
         return
     for compiled in getattr(runtime_metadata, RECORDS_ATTR, ()):
         for out in _observers.get():
-            out.append(compiled)
+            out.append(dataclasses.replace(compiled, compile_id=_compile_id()))
+
+
+def _compile_id() -> str | None:
+    from torch._guards import CompileContext
+
+    found = CompileContext.current_compile_id()
+    return None if found is None else f"{found.frame_id}/{found.frame_compile_id}"
 
 
 def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> None:
@@ -351,9 +370,10 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
                 p.scope, p.partitioner_ratio, "it meets the budget" if p.partitioner_met else "the plan starts from the default partition",
             )
         artifact.debug(
-            "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s); bounds: %s",
+            "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s); bounds: %s; "
+            "with the graphs' own tensors the step peaks at %s B at %s",
             p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
-            p.estimated_ms, "met" if p.met else "NOT met", p.preference, p.bounds,
+            p.estimated_ms, "met" if p.met else "NOT met", p.preference, p.bounds, p.predicted_peak_bytes, p.predicted_peak_at,
         )
         if p.floor_bytes is not None:
             artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))

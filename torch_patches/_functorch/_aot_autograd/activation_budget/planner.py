@@ -26,6 +26,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
 from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import Recipe, with_recipes
 from torch_patches._functorch._aot_autograd.activation_budget.summary import OFFLOADS, summarize
+from torch_patches._functorch._aot_autograd.activation_budget.working_set import predicted_peak
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     KEEP,
     LOSS,
@@ -149,26 +150,25 @@ def backward_span(saved: list[fx.Node], bw_inputs: dict[str, fx.Node], bw_pos: d
     return Span(first, max(last, first))
 
 
-def plan(
-    pair: HookPair,
-    spec: Any,
-    facts: GraphFacts,
-    members: list[fx.Node],
-    plannable: list[fx.Node],
-    aliases: dict[fx.Node, fx.Node],
-    exact: set[fx.Node] = frozenset(),
-) -> Plan:
-    """The plan for one budget pair.
+@dataclasses.dataclass
+class Units:
+    """What a budget pair's plans are made of (:func:`build_choices`): one :class:`Choice` per
+    storage the plan may store otherwise, the bytes and backward spans of those it cannot,
+    what the pair saves without hooks, the cost model's rates, and how many graphs ahead the
+    reloads of a graph of several start (0: none)."""
 
-    ``members``: every saved tensor in the pair's scope; ``plannable``: those the hooks may
-    see (dtype policy, filtering mode, unused ones excluded), without ``aliases`` (saved
-    tensors that share another's packed tensor). Saved graph inputs that are not activations
-    (parameters, leaves) are not counted. The unit of choice is a storage: the saved tensors
-    reading it (q, k, v of one projection) are packed together or kept, since keeping one
-    keeps all of it. It costs its base tensor's bytes, however small the saved views.
-    ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
-    packs, inputs the caller keeps); those in this plan are pinned to keep when read.
-    """
+    choices: list[Choice]
+    groups: dict[fx.Node, list[fx.Node]]
+    baseline: int
+    fixed: int
+    fixed_spans: tuple[tuple[Span, int], ...]
+    rates: Rates
+    ahead: int
+
+
+def build_choices(spec: Any, facts: GraphFacts, members: list[fx.Node], plannable: list[fx.Node], aliases: dict[fx.Node, fx.Node]) -> Units:
+    """The choices of a budget pair (see :func:`plan`): per storage its options and their
+    cost (:mod:`.cost_model`), its backward span."""
     fw_g, bw_g, bw_inputs = facts.fw_g, facts.bw_g, facts.bw_inputs
     groups: dict[fx.Node, list[fx.Node]] = {}
     for s in members:
@@ -176,21 +176,18 @@ def plan(
         if not (root.op == "placeholder" and facts.inputs.get(root) is not None):  # an activation
             groups.setdefault(root, []).append(s)
     storage = {root: max([nbytes_of(root), *map(nbytes_of, saved)]) for root, saved in groups.items()}
-    baseline = sum(storage.values())
     plannable_set = set(plannable)
     covered = plannable_set | {a for a, r in aliases.items() if r in plannable_set}
     planned = {root: [s for s in saved if s in plannable_set] for root, saved in groups.items()}
     planned = {root: saved for root, saved in planned.items() if saved and set(groups[root]) <= covered}
-    fixed = sum(b for root, b in storage.items() if root not in planned)
     spans = {root: backward_span(saved, bw_inputs, facts.bw_pos) for root, saved in groups.items()}
     nodes = [s for saved in planned.values() for s in saved]
     device = next((s.meta["val"].device for s in nodes), torch.device("cpu"))
     rates = Rates.for_device(device)
-    offload = any(o in spec.options for o in OFFLOADS)
     # One graph of several, whose reloads start a graph ahead (offload_prefetch): its
     # copies hide behind the graphs beside it as well.
     ahead = int(config.offload_prefetch_graphs) if facts.autograd_inputs else 0
-    if offload and any(copy_engine(s.meta["val"].device) for s in nodes):
+    if any(o in spec.options for o in OFFLOADS) and any(copy_engine(s.meta["val"].device) for s in nodes):
         hidden = windows(nodes, bw_inputs, fw_g, bw_g, rates, neighbours=ahead > 0)
     else:  # no copy to hide: skip estimating the compute of every node
         hidden = dict.fromkeys(nodes, (0.0, 0.0))
@@ -214,8 +211,45 @@ def plan(
         if not any(LOSS.get(o, 3) for o in spec.options):
             why = f"options={'/'.join(spec.options)} has no lossy storage"
         choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root], why_exact=why))
-    fixed_spans = tuple((spans[root], b) for root, b in storage.items() if root not in planned)
+    fixed = {root: b for root, b in storage.items() if root not in planned}
+    return Units(
+        choices, groups, sum(storage.values()), sum(fixed.values()), tuple((spans[r], b) for r, b in fixed.items()), rates, ahead
+    )
 
+
+def plan(
+    pair: HookPair,
+    spec: Any,
+    facts: GraphFacts,
+    members: list[fx.Node],
+    plannable: list[fx.Node],
+    aliases: dict[fx.Node, fx.Node],
+    exact: set[fx.Node] = frozenset(),
+) -> Plan:
+    """The plan for one budget pair: its choices (:func:`build_choices`), the plan chosen
+    among those fitted to its budget (:func:`choose`), and the step's peak it predicts with
+    the graphs' own tensors (:func:`.working_set.predicted_peak`).
+
+    ``members``: every saved tensor in the pair's scope; ``plannable``: those the hooks may
+    see (dtype policy, filtering mode, unused ones excluded), without ``aliases`` (saved
+    tensors that share another's packed tensor). Saved graph inputs that are not activations
+    (parameters, leaves) are not counted. The unit of choice is a storage: the saved tensors
+    reading it (q, k, v of one projection) are packed together or kept, since keeping one
+    keeps all of it. It costs its base tensor's bytes, however small the saved views.
+    ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
+    packs, inputs the caller keeps); those in this plan are pinned to keep when read.
+    """
+    result = choose(pair, spec, facts, build_choices(spec, facts, members, plannable, aliases), exact)
+    bw_saved = [facts.bw_inputs[s.name] for s in facts.saved_tensors if s.name in facts.bw_inputs]
+    result.predicted = predicted_peak(result, facts.fw_g, facts.bw_g, facts.saved_tensors, bw_saved)
+    return result
+
+
+def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: set[fx.Node]) -> Plan:
+    """The plan taken among those fitted to the budget: the least lossy one meeting it,
+    unless a lossier one is faster by more than ``config.activation_budget_lossy_margin``;
+    the floor where none meets it (:func:`_floor_plan`)."""
+    choices, baseline = units.choices, units.baseline
     # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
     # partitioners.py): the budget is a fraction of the default partition's bytes.
     found = _compile_facts.facts()
@@ -228,16 +262,16 @@ def plan(
     # hold more).
     backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
 
-    def run(units: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
-        on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units]
-        candidate = Plan(pair.label, spec, baseline, fixed, budget, on_hull, fixed_spans, facts.point_names, backward_bytes)
+    def run(units_: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
+        on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units_]
+        candidate = Plan(pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes)
         if ratio:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
         if exact_first:  # the true times of what was chosen
-            candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units)]
+            candidate.choices = [_unpenalized(c, u) for c, u in zip(candidate.choices, units_)]
             candidate.preference = "least lossy"
-        candidate.ahead_bytes = _ahead_bytes(candidate, ahead)
+        candidate.ahead_bytes = _ahead_bytes(candidate, units.ahead)
         return candidate
 
     @functools.cache
@@ -245,7 +279,7 @@ def plan(
         """The choices with their recompute options (looked for once, on first need)."""
         if RECOMPUTE not in spec.options:
             return None
-        return with_recipes(choices, _sole(choices, groups), exact, fw_g, rates)
+        return with_recipes(choices, _sole(choices, units.groups), exact, facts.fw_g, units.rates)
 
     # While a report records: the plan at every fraction of the saved bytes (its pareto).
     pareto: tuple[tuple[float, int, float, bool], ...] = ()
@@ -276,7 +310,7 @@ def plan(
         tried.append(run(choices, exact_first=True))
     # The greedy is not exact: the fastest plan may be no lossier (then it is taken).
     least_lossy = min([*tried, fastest], key=lambda p: (not p.met, _loss(p), p.estimated_ms))
-    margin = config.activation_budget_lossy_margin * graph_compute_ms(fw_g, bw_g, rates)
+    margin = config.activation_budget_lossy_margin * graph_compute_ms(facts.fw_g, facts.bw_g, units.rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
         return _with_pareto(least_lossy, pareto)
     fastest.preference = (

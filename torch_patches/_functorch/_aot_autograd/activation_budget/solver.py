@@ -121,6 +121,9 @@ class Plan:
     #: graphs autograd runs next, started ahead while this graph's backward runs (set once
     #: the plan is fitted; the backward's points may hold them on top of their bound).
     ahead_bytes: int = 0
+    #: The step's peak the plan predicts with what the graphs hold besides the saved
+    #: tensors, and where (set by the planner once the plan is taken).
+    predicted: tuple[int, str] | None = None
 
     @property
     def predicted_bytes(self) -> int:

@@ -59,6 +59,8 @@ def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "
         floor_holders=tuple(text for _, text in holders),
         bounds=bounds_why,
         bounded_at=bounded_at,
+        predicted_peak_bytes=result.predicted[0] if result.predicted else None,
+        predicted_peak_at=result.predicted[1] if result.predicted else "",
         copy_ms=sum(c.chosen.copy_ms for c in offloaded),
         copy_exposed_ms=sum(c.chosen.exposed_ms for c in offloaded),
         ahead_bytes=result.ahead_bytes,
