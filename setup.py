@@ -19,7 +19,7 @@ setup(
     long_description=open(os.path.join(os.path.dirname(__file__), "README.md")).read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_patches", "torch_patches.*"]),
-    package_data={"torch_patches": ["fingerprints.json"]},
+    package_data={"torch_patches._registry": ["fingerprints.json"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.16"],
     extras_require={

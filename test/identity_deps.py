@@ -241,7 +241,7 @@ class Kind:
     #: "a": keyed by value (a cross-process cache hit for equal values); "b": process-local.
     outcome: str = "a"
     #: A tensor the hooks read: as ambient hooks, a runtime input of the graphs (guarded by
-    #: its metadata), so changing its values recompiles nothing (torch_patches/_hook_inputs.py, find_inputs).
+    #: its metadata), so changing its values recompiles nothing (torch_patches/_functorch/_aot_autograd/hook_inputs.py, find_inputs).
     lifted: bool = False
 
 

@@ -729,10 +729,10 @@ class TestBudgetSpec(TestCase):
         self.assertIsNot(budget(0.5)[0], budget(0.3)[0])
 
     def test_eager_use_keeps_tensors_and_warns_once(self):
-        from torch_patches import _hook_kinds
+        from torch_patches.hooks import markers
 
-        self.addCleanup(setattr, _hook_kinds, "_warned_eager_budget", _hook_kinds._warned_eager_budget)
-        _hook_kinds._warned_eager_budget = False
+        self.addCleanup(setattr, markers, "_warned_eager_budget", markers._warned_eager_budget)
+        markers._warned_eager_budget = False
         x = torch.randn(4, 4, requires_grad=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -22,7 +22,7 @@ from torch._dynamo.test_case import run_tests
 import torch_patches
 from cache_worker import run_in_one_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
-from torch_patches._hook_identity import hook_cache_hash, hooks_cache_key
+from torch_patches._functorch._aot_autograd.hook_identity import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable
 from torch_patches.testing import TestCase
 
@@ -275,7 +275,7 @@ class TestHookCacheKey(TestCase):
         # The golden: the digest of a fixed hook is the same in every process and release.
         code = (
             "import torch, torch.fx\n"
-            "from torch_patches._hook_identity import hook_cache_hash\n"
+            "from torch_patches._functorch._aot_autograd.hook_identity import hook_cache_hash\n"
             "def pack(x):\n    return (x * 2.0).to(torch.bfloat16)\n"
             "print(hook_cache_hash(torch.fx.symbolic_trace(pack))[0])\n"
         )

@@ -1,7 +1,7 @@
 """Facts torch_patches' stages hand each other ride on the compilation's TracingContext.
 
 The inliner's decision (were the ambient hooks inlined), the not-cacheable reasons and the
-in-graph scopes live in ``torch_patches._compile_facts.CompileFacts`` on the
+in-graph scopes live in ``torch_patches._functorch._aot_autograd.compile_facts.CompileFacts`` on the
 ``TracingContext`` of the compilation that produced them: two compilations never see each
 other's, and nothing is left behind in module state.
 """
@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.test_case import run_tests
 from torch._functorch.aot_autograd import aot_function
 
-from torch_patches import _compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches.hooks import bf16, inlineable
 from torch_patches.testing import SavedTensorsHookError, TestCase, instantiate_device_type_tests
 
@@ -36,17 +36,17 @@ class TestCompileFacts(TestCase):
             compiled = aot_eager(gm, example_inputs)
             from torch._guards import TracingContext
 
-            seen.append((TracingContext.try_get(), _compile_facts.facts()))
+            seen.append((TracingContext.try_get(), compile_facts.facts()))
             return compiled
 
         x = torch.randn(8, 8, device=device, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(*bf16(where=None)):
             torch.compile(lambda x: x.sin().sin(), backend=backend)(x).sum().backward()
         (ctx, facts), = seen
-        self.assertIs(vars(ctx)[_compile_facts._ATTR], facts)
+        self.assertIs(vars(ctx)[compile_facts._ATTR], facts)
         self.assertEqual(facts.hooks_inlined[1], True)
         self.assertEqual(facts.not_cacheable, [])
-        self.assertIsNone(_compile_facts.facts())  # outside a compilation: nothing
+        self.assertIsNone(compile_facts.facts())  # outside a compilation: nothing
 
     def test_concurrent_compiles_keep_their_own_decisions(self, device):
         # One thread's hooks fall back to eager (untraceable), the other's inline: each

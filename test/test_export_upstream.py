@@ -20,7 +20,7 @@ import unittest
 
 import pytest
 
-import torch_patches._patches as patches_module
+import torch_patches._registry.patches as patches_module
 import torch_patches.hooks
 from tools.export_upstream import (
     apply_to_overlay,
@@ -305,14 +305,14 @@ instantiate_device_type_tests(TestOurs, globals())
             upstream_test("import torch_patches\ntorch_patches.apply()\n", "x", resolver)
 
     def test_upstream_names_rules(self):
-        homes = {"torch_patches._numerics": "torch._functorch._aot_autograd.graph_compile"}.get
+        homes = {"torch_patches._errors": "torch._functorch._aot_autograd.graph_compile"}.get
         knobs = {"lossy_min_bytes": "saved_tensors_hooks_lossy_min_bytes"}.get
         cases = {
             "``torch_patches.config.lossy_min_bytes``": "``torch._functorch.config.saved_tensors_hooks_lossy_min_bytes``",
             "``torch_patches.hooks.inlineable``": f"``{HOOKS_HOME}.inlineable``",
             "(``torch_patches.hooks.select.numerics_safe``)": f"(``{HOOKS_HOME}.numerics_safe``)",
-            "see ``torch_patches/_numerics.py``": "see ``torch/_functorch/_aot_autograd/graph_compile.py``",
-            "``torch_patches._numerics.tolerance``": "``torch._functorch._aot_autograd.graph_compile.tolerance``",
+            "see ``torch_patches/_errors.py``": "see ``torch/_functorch/_aot_autograd/graph_compile.py``",
+            "``torch_patches._errors.SavedTensorsHookError``": "``torch._functorch._aot_autograd.graph_compile.SavedTensorsHookError``",
             'warnings.warn(f"torch_patches: {error}")': 'warnings.warn(f"{error}")',
             'TORCH_LOGS="+torch_patches"': 'TORCH_LOGS="+saved_tensors_hooks"',
             'ARTIFACT = "torch_patches"': 'ARTIFACT = "saved_tensors_hooks"',

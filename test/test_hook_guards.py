@@ -16,7 +16,8 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_deps as deps
-from torch_patches import _hook_identity, config as tp_config
+from torch_patches import config as tp_config
+from torch_patches._functorch._aot_autograd import hook_identity
 from torch_patches._dynamo.output_graph import INPUT_LEAVES_SUBGRAPH
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
@@ -178,19 +179,19 @@ def _block_3(x):
 def counting_walks():
     """How many times hook identities were walked (not looked up) inside the block."""
     walks = []
-    original = _hook_identity._walk
+    original = hook_identity._walk
 
     def counted(fn, lift):
         walks.append(fn)
         return original(fn, lift)
 
-    with mock.patch.object(_hook_identity, "_walk", counted):
+    with mock.patch.object(hook_identity, "_walk", counted):
         yield walks
 
 
 class TestGuardIsALookup(TestCase):
     """The hooks' guard runs at every compiled call: it walks a hook once per hook object and
-    afterwards only checks what the walk read (``_hook_watch``), so unchanged hooks cost a
+    afterwards only checks what the walk read (``hook_watch``), so unchanged hooks cost a
     lookup, and each change below is seen by a cheap check: one recompile, the new value."""
 
     def blocks(self):
@@ -303,15 +304,15 @@ class TestGuardIsALookup(TestCase):
         def unpack(t):
             return t / 2 * small.sum() * big[0]
 
-        keys = [_hook_identity.hook_identity(unpack).key]
+        keys = [hook_identity.hook_identity(unpack).key]
         small.data.mul_(2)  # new values, no version bump
-        keys.append(_hook_identity.hook_identity(unpack).key)
+        keys.append(hook_identity.hook_identity(unpack).key)
         big.add_(1)  # a version bump
-        keys.append(_hook_identity.hook_identity(unpack).key)
+        keys.append(hook_identity.hook_identity(unpack).key)
         big.data = torch.ones(5000, device=device, dtype=torch.float64)  # other metadata
-        keys.append(_hook_identity.hook_identity(unpack).key)
+        keys.append(hook_identity.hook_identity(unpack).key)
         self.assertEqual(len(set(map(repr, keys))), 4)
-        self.assertEqual(keys[-1], _hook_identity._walk(unpack, False)[0].key)
+        self.assertEqual(keys[-1], hook_identity._walk(unpack, False)[0].key)
 
     def test_keys_see_sparse_tensor_values(self, device):
         # A small CPU sparse tensor is keyed by its indices and values: an equal one keys
@@ -324,11 +325,11 @@ class TestGuardIsALookup(TestCase):
 
         captured = torch.tensor([[0.0, 2.0], [0.0, 0.0]]).to_sparse()
         unpack = make(captured)
-        key = _hook_identity.hook_identity(unpack).key
-        self.assertEqual(key, _hook_identity.hook_identity(make(captured.clone())).key)
-        self.assertEqual(_hook_identity.hook_identity(unpack).local, ())
+        key = hook_identity.hook_identity(unpack).key
+        self.assertEqual(key, hook_identity.hook_identity(make(captured.clone())).key)
+        self.assertEqual(hook_identity.hook_identity(unpack).local, ())
         captured._values().mul_(2)
-        self.assertNotEqual(_hook_identity.hook_identity(unpack).key, key)
+        self.assertNotEqual(hook_identity.hook_identity(unpack).key, key)
 
     def test_recreated_hooks_walk_once_per_object_not_per_call(self, device):
         counter, blocks = self.blocks()

@@ -35,8 +35,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import identity_cfg
 import identity_deps as deps
 from torch_patches import config as tp_config
-from torch_patches import _hook_identity as hook_keys
-from torch_patches._hook_identity import hook_identity
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd.hook_identity import hook_identity
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, hook_warnings, instantiate_device_type_tests
 
@@ -311,7 +311,7 @@ class TestNotKeyable(IdentityTestCase):
     def test_constant_getattr_keys_only_named_attributes(self, device):
         # getattr with a constant name reads one attribute, which is keyed; a computed name
         # keys every attribute of the module (computed_attribute_name kind).
-        from torch_patches._hook_code import ALL_ATTRS, _code_info
+        from torch_patches._functorch._aot_autograd.hook_code import ALL_ATTRS, _code_info
 
         def constant(t):
             return t * getattr(identity_cfg, "SCALE", 1.0) * getattr(identity_cfg.nested, "inner").scale

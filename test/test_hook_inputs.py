@@ -1,7 +1,7 @@
 """Tensors ambient hooks read are runtime inputs of the compiled graphs.
 
 A hook that reads a tensor the loop updates in place (a delayed scale) is traced with that
-tensor as an input (``_hook_inputs.find_inputs``, ``_dynamo/symbolic_convert.py``): Dynamo
+tensor as an input (``hook_inputs.find_inputs``, ``_dynamo/symbolic_convert.py``): Dynamo
 guards its metadata, never its values or identity. Checked here:
 
 * the issue's example: an inlineable pair ``(x * scale).to(bf16)`` / ``p.float() / scale``

@@ -379,7 +379,7 @@ class TestHooksLibrary(TestCase):
             self.assertTrue(got[0].isfinite().all(), name)
 
     def test_factories_are_inlineable_and_stable(self, device: str) -> None:
-        from torch_patches._hook_identity import hooks_guard_key
+        from torch_patches._functorch._aot_autograd.hook_identity import hooks_guard_key
 
         for factory in (hooks.bf16, hooks.fp8_rowwise, hooks.int8_rowwise):
             a, b = factory(), factory()

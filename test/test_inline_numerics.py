@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import common_hooks as H
+import torch_patches.testing._internal.saved_tensors_hooks_fixtures as H
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     TestCase,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 
 import torch_patches.config as tp_config
-from common_hooks import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
 from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,

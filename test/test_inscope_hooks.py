@@ -28,7 +28,7 @@ from torch_patches.testing import (
     instantiate_device_type_tests,
 )
 
-from common_hooks import bf16_pack, bf16_unpack, exact_pack, exact_unpack
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import bf16_pack, bf16_unpack, exact_pack, exact_unpack
 
 
 EXACT = inlineable(exact_pack, exact_unpack)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torch_patches import _numerics, config as tp_config
+from torch_patches import config as tp_config
+from torch_patches.hooks import numerics
 from torch_patches._functorch._aot_autograd import saved_numerics
 from torch_patches.hooks import bf16, fp8_rowwise, int8_rowwise, numerics_safe, select, tolerate
 from torch_patches.hooks.select import SavedTensorInfo, _Kept
@@ -117,7 +118,7 @@ class TestAllowlistCompiled(TestCase):
         self.assertEqual([i.tolerance for i in lse], ["exact"])
         self.assertIn("statistics", lse[0].why)
         q = [i for i in seen if i.readers and any("[query]" in r for r in i.readers)]
-        self.assertEqual([i.tolerance for i in q], [_numerics.ATTENTION_QK])
+        self.assertEqual([i.tolerance for i in q], [numerics.ATTENTION_QK])
         # A linear layer's input meets the gradient in x^T @ dy, a parameter's gradient: fp8.
         weights = [i for i in seen if i.readers and all(r.startswith(("aten.mm", "aten.view", "aten.t.", "aten.permute"))
                                                          for r in i.readers)]
@@ -247,16 +248,16 @@ class TestAllowlistEager(TestCase):
 
     def test_eager_verdicts(self, device):
         x = torch.randn(4, 8, device=device, requires_grad=True)
-        self.assertEqual(_numerics.eager_verdict(x)[0], "exact")  # a leaf
+        self.assertEqual(numerics.eager_verdict(x)[0], "exact")  # a leaf
         y = x * 2
-        self.assertEqual(_numerics.eager_verdict(y)[0], "int8")  # never fp8: the reader is unknown
-        self.assertEqual(_numerics.eager_verdict(y.detach())[0], "exact")
+        self.assertEqual(numerics.eager_verdict(y)[0], "int8")  # never fp8: the reader is unknown
+        self.assertEqual(numerics.eager_verdict(y.detach())[0], "exact")
         a, b = y.split(4, dim=-1)
-        self.assertEqual(_numerics.eager_verdict(b)[0], "int8")  # output 1 of a split: data
+        self.assertEqual(numerics.eager_verdict(b)[0], "int8")  # output 1 of a split: data
         _, mean, rstd = torch.native_layer_norm(y, [8], None, None, 1e-5)
-        self.assertEqual(_numerics.eager_verdict(rstd)[0], "exact")
-        self.assertEqual(_numerics.eager_verdict(y.logsumexp(-1))[0], "exact")
-        self.assertEqual(_numerics.eager_verdict(torch.rsqrt(y.pow(2).mean(-1)))[0], "exact")
+        self.assertEqual(numerics.eager_verdict(rstd)[0], "exact")
+        self.assertEqual(numerics.eager_verdict(y.logsumexp(-1))[0], "exact")
+        self.assertEqual(numerics.eager_verdict(torch.rsqrt(y.pow(2).mean(-1)))[0], "exact")
 
 
 class TestAllowlistRules(TestCase):
@@ -332,15 +333,15 @@ class TestAllowlistRules(TestCase):
     def test_every_builtin_entry_names_a_real_argument(self, device):
         # A typo in the list would silently keep a tensor exact; every overload's schema
         # is checked (entries for ops this torch lacks are allowed).
-        for key, args in _numerics.BUILTIN.items():
+        for key, args in numerics.BUILTIN.items():
             ns, name = key.split("::")
             packet = getattr(getattr(torch.ops, ns), name.split(".")[0], None)
             if packet is None:
                 continue
             names = {a.name for o in packet.overloads() for a in getattr(packet, o)._schema.arguments}
             for arg, level in args.items():
-                self.assertIn(level, _numerics.LEVELS)
-                if arg != _numerics.ALL_ARGS:
+                self.assertIn(level, numerics.LEVELS)
+                if arg != numerics.ALL_ARGS:
                     self.assertTrue(arg in names or not names, (key, arg, sorted(names)))
 
 

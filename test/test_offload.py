@@ -204,7 +204,7 @@ class TestOffloadOps(TestCase):
         )
 
     def test_factory_is_inlineable_and_stable(self, device: str) -> None:
-        from torch_patches._hook_identity import hooks_guard_key
+        from torch_patches._functorch._aot_autograd.hook_identity import hooks_guard_key
 
         a, b = cpu_offload(), cpu_offload()
         self.assertTrue(all(is_inlineable(f) for f in a))

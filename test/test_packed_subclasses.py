@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.test_case import run_tests
 from torch.testing._internal.two_tensor import TwoTensor
 
-from common_hooks import RowScaled, exact_scaled_pack, row_scaled_pack, row_scaled_unpack
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import RowScaled, exact_scaled_pack, row_scaled_pack, row_scaled_unpack
 from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,

@@ -19,7 +19,8 @@ from torch._dynamo.test_case import run_tests
 import torch_patches
 import torch_patches.config as tp_config
 from torch_patches import _registry
-from torch_patches._patches import PATCHES
+from torch_patches._registry import install
+from torch_patches._registry.patches import PATCHES
 from torch_patches.testing import TestCase
 
 
@@ -27,7 +28,7 @@ SUPPORTED_MINORS = [f"2.{m}" for m in range(11, 16)]
 
 
 def _raw(patch):
-    owner, attr, raw = _registry._resolve(patch.target)
+    owner, attr, raw = install._resolve(patch.target)
     return raw
 
 
@@ -40,7 +41,7 @@ def _snapshot_torch():
         for k, v in list(vars(module).items()):
             snap[(name, k)] = id(v)
     for patch in PATCHES:
-        owner, _, _ = _registry._resolve(patch.target)
+        owner, _, _ = install._resolve(patch.target)
         if isinstance(owner, type):
             for k, v in vars(owner).items():
                 snap[(owner.__qualname__, k)] = id(v)
@@ -179,7 +180,7 @@ class TestApplyUnapply(TestCase):
     def test_global_effects_are_registry_records(self):
         from torch._inductor import lowering as inductor_lowering
 
-        from torch_patches._patches import EFFECTS
+        from torch_patches._registry.patches import EFFECTS
 
         names = [e.name for e in EFFECTS]
         self.assertEqual(len(names), len(set(names)))
@@ -190,7 +191,7 @@ class TestApplyUnapply(TestCase):
             self.assertNotEqual(e.upstream is None, not e.upstream_lazy, e.name)
             if e.upstream is not None:
                 self.assertLessEqual(set(e.upstream.after), patch_names, e.name)
-                form = _registry._load(e.upstream.form)
+                form = install._load(e.upstream.form)
                 self.assertEqual(list(inspect.signature(form).parameters), [], e.name)
         torch_patches.apply()
         try:
@@ -209,13 +210,13 @@ class TestApplyUnapply(TestCase):
             torch_patches.unapply()
 
     def test_effect_failure_rolls_back_everything(self):
-        from torch_patches._patches import EFFECTS
+        from torch_patches._registry.patches import EFFECTS
 
         originals = {p.name: _raw(p) for p in PATCHES}
         ok = _registry.Effect(name="test.ok", install="test_registry:_ok_effect", summary="ok")
         bad = _registry.Effect(name="test.bad", install="test_registry:_bad_effect", summary="bad")
         _UNDONE[:] = []
-        with mock.patch.object(_registry, "_registered_effects", return_value=(*EFFECTS, ok, bad)):
+        with mock.patch.object(install, "_registered_effects", return_value=(*EFFECTS, ok, bad)):
             with self.assertRaisesRegex(RuntimeError, "effect failed"):
                 torch_patches.apply()
         self.assertEqual(_UNDONE, ["test.ok"])
@@ -284,7 +285,7 @@ class TestRefusal(TestCase):
     def test_refuses_outside_version_band(self):
         originals = {p.name: _raw(p) for p in PATCHES}
         for version in ("2.10.0", "2.16.0.dev20261101", "3.0.0"):
-            with mock.patch.object(_registry, "torch_version", return_value=version):
+            with mock.patch.object(install, "torch_version", return_value=version):
                 with self.assertRaises(torch_patches.PatchError) as cm:
                     torch_patches.apply()
             msg = str(cm.exception)
@@ -300,7 +301,7 @@ class TestRefusal(TestCase):
             dataclasses.replace(p, fingerprints={"2.13": "0" * 16}) if p.name == name else p
             for p in PATCHES
         ]
-        return mock.patch.object(_registry, "_registered", return_value=tuple(drifted))
+        return mock.patch.object(install, "_registered", return_value=tuple(drifted))
 
     def test_refuses_on_fingerprint_drift(self):
         originals = {p.name: _raw(p) for p in PATCHES}
@@ -330,7 +331,7 @@ class TestRefusal(TestCase):
 
     def test_refuses_when_target_already_replaced(self):
         patch = PATCHES[0]
-        owner, attr, original = _registry._resolve(patch.target)
+        owner, attr, original = install._resolve(patch.target)
 
         def impostor(*args, **kwargs):
             return original(*args, **kwargs)
@@ -350,8 +351,8 @@ class TestRefusal(TestCase):
         import functools
 
         for patch in (PATCHES[0], PATCHES[-1]):
-            owner, attr, original = _registry._resolve(patch.target)
-            fn = _registry._function_of(original)
+            owner, attr, original = install._resolve(patch.target)
+            fn = install._function_of(original)
 
             @functools.wraps(fn)
             def foreign(*args, **kwargs):
@@ -372,7 +373,7 @@ class TestRefusal(TestCase):
         originals = {p.name: _raw(p) for p in PATCHES}
         torch_patches.apply()
         patch = PATCHES[0]
-        owner, attr, ours = _registry._resolve(patch.target)
+        owner, attr, ours = install._resolve(patch.target)
 
         def layered(*args, **kwargs):
             return ours(*args, **kwargs)
@@ -403,7 +404,7 @@ class TestRefusal(TestCase):
 
     def test_rolls_back_if_install_fails(self):
         originals = {p.name: _raw(p) for p in PATCHES}
-        real_install = _registry._Installed.install
+        real_install = install._Installed.install
         calls = []
 
         def flaky(self):
@@ -412,7 +413,7 @@ class TestRefusal(TestCase):
                 raise RuntimeError("boom")
             real_install(self)
 
-        with mock.patch.object(_registry._Installed, "install", flaky):
+        with mock.patch.object(install._Installed, "install", flaky):
             with self.assertRaisesRegex(RuntimeError, "boom"):
                 torch_patches.apply()
         self._assert_nothing_patched(originals)

@@ -101,7 +101,7 @@ from torch.testing._internal.common_utils import parametrize
 
 import torch_patches.config as tp_config
 from torch_patches.hooks import inlineable
-from common_hooks import check_placed_at_use
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import check_placed_at_use
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     TORCH_VERSION,
@@ -801,7 +801,7 @@ class TestAOTAutogradCacheHooks(TestCase):
         self.assertCache(miss=3, hit=1)
 
         # A wrapped call without a user cache hash. Differs from upstream (a bypass): the
-        # leaf is keyed by its code (torch_patches._hook_identity), so the graph is cached.
+        # leaf is keyed by its code (torch_patches._functorch._aot_autograd.hook_identity), so the graph is cached.
         torch._dynamo.reset()
         self.run_step(f, inp_fn, graph_hooks(pack_fp8_with_scale, unpack_fp8_with_scale))
         self.assertCache(miss=4, hit=1)

@@ -6,7 +6,7 @@
 ``--root`` is a directory holding a ``torch/`` source tree (a site-packages directory, or
 a wheel unpacked with ``unzip torch-*.whl 'torch/*.py'``); nothing is imported from it.
 ``--write`` records the fingerprints under ``--version`` in
-``torch_patches/fingerprints.json``.  Only record after re-reading the upstream change
+``torch_patches/_registry/fingerprints.json``.  Only record after re-reading the upstream change
 the new fingerprint stands for: a fingerprint says "this patch was checked against this
 upstream code".
 """
@@ -19,7 +19,8 @@ import os
 import sys
 
 from torch_patches import _registry
-from torch_patches._patches import _FINGERPRINTS_FILE, PATCHES
+from torch_patches._registry.fingerprints import FINGERPRINTS_FILE as _FINGERPRINTS_FILE
+from torch_patches._registry.patches import PATCHES
 
 
 def from_source_tree(root: str, targets: tuple[str, ...]) -> str:

@@ -47,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from torch_patches.bench.case import Case
     from torch_patches.bench.report import format_table
     from torch_patches.bench.run import _cast_hooks, run_all
-    from torch_patches._recorded_graphs import AotEagerAndRecordGraphs, normalize_graph
+    from torch_patches.testing._internal.saved_tensors_hooks_graphs import AotEagerAndRecordGraphs, normalize_graph
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_patches.apply()

@@ -10,7 +10,7 @@ Use like any torch config module::
 
 Every knob is part of the identity of inlined hooks: the guard of a compiled frame and the
 AOTAutograd cache key hold a snapshot of the whole config (``config_key`` in
-``torch_patches/_hook_identity.py``), for hooks around the compiled call and hooks entered
+``torch_patches/_functorch/_aot_autograd/hook_identity.py``), for hooks around the compiled call and hooks entered
 inside it alike, so changing any knob recompiles and misses the cache once.
 """
 
@@ -89,7 +89,7 @@ validate_unpack: bool = True
 # The ready-made lossy hooks (bf16, fp8_rowwise, int8_rowwise and chains holding them)
 # and the budget planner compress only what torch_patches.hooks.numerics_safe accepts: a
 # saved tensor every backward reader of which has an entry on the numerics allowlist
-# (torch_patches/_numerics.py) for the argument it reads it as; unknown ops, statistics
+# (torch_patches/hooks/numerics.py) for the argument it reads it as; unknown ops, statistics
 # (log-sum-exp, mean, rstd) and tensors too small to pay stay exact. False: compress every
 # saved tensor they see.
 lossy_hooks_numerics_safe: bool = True

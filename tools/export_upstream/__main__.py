@@ -32,15 +32,15 @@ def installed_torch_root() -> str:
 
 
 def _patches():
-    from torch_patches import _registry
+    from torch_patches._registry import install
 
-    return _registry._registered()
+    return install._registered()
 
 
 def _effects():
-    from torch_patches import _registry
+    from torch_patches._registry import install
 
-    return _registry._registered_effects()
+    return install._registered_effects()
 
 
 def _print_report(results) -> None:

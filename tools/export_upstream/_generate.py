@@ -79,23 +79,6 @@ CONFIG_MODULE_API = frozenset(
 )
 
 
-#: Our modules with no upstream counterpart that become new upstream modules (one commit
-#: each, before the patch that first uses them).  Modules under a mirrored package
-#: (``torch_patches/_functorch/_aot_autograd/hook_tracing.py``) keep their path; top-level
-#: ones are named here.  The rest (``_errors``, ``_logging``, ``_registry``: a few lines each,
-#: or nothing upstream would keep) move into the upstream file that needs them first.
-NEW_MODULE_NAMES = {
-    "torch_patches._hook_identity": "torch._functorch._aot_autograd.hook_identity",
-    "torch_patches._hook_walk": "torch._functorch._aot_autograd.hook_walk",
-    "torch_patches._hook_watch": "torch._functorch._aot_autograd.hook_watch",
-    "torch_patches._audit": "torch._functorch._aot_autograd.hook_audit",
-    "torch_patches._hook_code": "torch._functorch._aot_autograd.hook_code",
-    "torch_patches._hook_inputs": "torch._functorch._aot_autograd.hook_inputs",
-    "torch_patches._hook_kinds": "torch._functorch._aot_autograd.hook_kinds",
-    "torch_patches._hook_scopes": "torch._functorch._aot_autograd.hook_scopes",
-    "torch_patches._compile_facts": "torch._functorch._aot_autograd.compile_facts",
-    "torch_patches._numerics": "torch._functorch._aot_autograd.saved_numerics_rules",
-}
 #: The proposed home of ``torch_patches.hooks`` (see ``_names.HOOKS_HOME``).
 HOOKS_PACKAGE = "torch.utils.saved_tensors_hooks"
 
@@ -277,9 +260,7 @@ class Exporter:
 
     def new_home(self, tp_module: str) -> str | None:
         """The new upstream module our ``tp_module`` becomes (None: it moves instead)."""
-        if tp_module in NEW_MODULE_NAMES:
-            home = NEW_MODULE_NAMES[tp_module]
-        elif tp_module == TP + ".hooks":
+        if tp_module == TP + ".hooks":
             home = HOOKS_PACKAGE
         elif tp_module.startswith(TP + ".hooks."):
             # Private modules: the package is the API (its ``select`` and ``budget`` are

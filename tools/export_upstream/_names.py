@@ -3,7 +3,7 @@
 The generator rewrites every code reference to our modules into upstream's (the module a
 mirror stands for, the module a satellite moved into, ``torch._functorch.config`` knobs).
 What it cannot see are names in prose and strings: docstrings and comments that point at
-``torch_patches.config.lossy_min_bytes`` or ``torch_patches/_numerics.py``, a log artifact
+``torch_patches.config.lossy_min_bytes`` or ``torch_patches/hooks/numerics.py``, a log artifact
 called ``torch_patches``, a warning that starts with ``torch_patches:``. :func:`upstream_names`
 rewrites those, in this order:
 

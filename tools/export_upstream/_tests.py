@@ -9,11 +9,11 @@ it does:
   ``from torch.utils.saved_tensors_hooks._inlineable import inlineable``;
 * our config module becomes ``torch._functorch.config`` and every knob it names (an
   attribute, a ``patch(...)`` keyword or string) takes its upstream name;
-* our test helpers become upstream test helpers: :mod:`torch_patches._testing` is
-  ``torch/testing/_internal/common_saved_tensors_hooks.py`` and ``test/common_hooks.py``
-  ``torch/testing/_internal/saved_tensors_hooks_fixtures.py``, converted the same way and
-  added by the first commit whose tests need them; ``torch_patches.testing.TestCase`` is the
-  helpers' ``TestCase`` (or, for a test that needs nothing else of them, Dynamo's);
+* our test helpers become upstream test helpers: ``torch_patches/testing/_internal/X.py``
+  is ``torch/testing/_internal/X.py`` (the recording backends, the test base and helpers,
+  the fixtures), converted the same way and added by the first commit whose tests need
+  them; ``torch_patches.testing.TestCase`` is the helpers' ``TestCase`` (or, for a test
+  that needs nothing else of them, Dynamo's);
 * test classes of stock behaviour (``apply_patches = False``) and statements marked
   ``# upstream: not exported`` (a worker process applying the patch set) are left out, and a test that
   still needs the patch set (``torch_patches.apply()``, a name the stack does not export) is
@@ -119,15 +119,24 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
     ],
 }
 
-#: Our test helpers -> their upstream form (added with the first test that needs them).
-HELPERS = {
-    "torch_patches._testing": ("torch_patches/_testing.py", "torch/testing/_internal/common_saved_tensors_hooks.py"),
-    "torch_patches._recorded_graphs": (
-        "torch_patches/_recorded_graphs.py", "torch/testing/_internal/saved_tensors_hooks_graphs.py"
-    ),
-    "common_hooks": ("test/common_hooks.py", "torch/testing/_internal/saved_tensors_hooks_fixtures.py"),
-}
-#: Our testing module: its ``TestCase`` applies the patch set; the rest is ``_testing``'s.
+#: Our test helpers, in upstream's layout: ``torch_patches/testing/_internal/X.py`` is
+#: ``torch/testing/_internal/X.py`` (added with the first test that needs it).
+INTERNAL = "torch_patches/testing/_internal"
+
+
+def _helpers() -> dict[str, tuple[str, str]]:
+    """module -> (our file, its upstream file), for every module of :data:`INTERNAL`."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = {}
+    for f in sorted(os.listdir(os.path.join(root, INTERNAL))):
+        if f.endswith(".py") and f != "__init__.py":
+            ours = f"{INTERNAL}/{f}"
+            out[ours[: -len(".py")].replace("/", ".")] = (ours, "torch/" + ours[len("torch_patches/") :])
+    return out
+
+
+HELPERS = _helpers()
+#: Our testing package: its ``TestCase`` applies the patch set; the rest is the helpers'.
 TESTING = "torch_patches.testing"
 CONFIG = "torch_patches.config"
 UPSTREAM_CONFIG = "torch._functorch.config"
@@ -176,7 +185,7 @@ class _Converter:
             if module == TESTING and name == "TestCase":
                 if self.plain_testcase:
                     return "torch._dynamo.test_case", "TestCase"
-                module = "torch_patches._testing"
+                module = "torch_patches.testing._internal.common_saved_tensors_hooks"
             if module in HELPERS:
                 via = self.r.binding(module, name) if _ours(module) else None
                 if via is not None and via.rpartition(".")[0] in HELPERS:

@@ -263,8 +263,8 @@ def test_resolver(exporter: Exporter) -> _tests.Resolver:
         return b.dotted if b is not None and b.kind == "import" else None
 
     def names(text: str) -> str:
-        home = _tests.helper_home("torch_patches._testing")
-        text = re.sub(r"\btorch_patches\._?testing\b", home, text)
+        home = _tests.helper_home("torch_patches.testing._internal.common_saved_tensors_hooks")
+        text = re.sub(r"\btorch_patches\.testing\b(?!\._internal)", home, text)
         return exporter.upstream_names(text, exporter.state)
 
     def module_home(module: str) -> str | None:

@@ -9,7 +9,7 @@ around a graph compiled without them recompiles although the graph is the same.
 We compare ``hooks_guard_state``'s key: None for no hooks and for hooks that run as Python
 hooks (the graph does not depend on them), or ("inline", pack key, unpack key, config) for
 hooks baked into the graphs, where each key holds every dependency of the hook
-(``torch_patches._hook_identity``: code, closures, globals, attributes of modules and
+(``torch_patches._functorch._aot_autograd.hook_identity``: code, closures, globals, attributes of modules and
 objects, captured tensors, recursively). The guard holds the objects keyed by identity
 (large captured tensors) so their ids cannot be reused while it lives.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_patches import _hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 

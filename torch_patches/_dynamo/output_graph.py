@@ -9,7 +9,7 @@ as ``call_method`` on placeholders without example values) and cannot see plain-
 hooks at all.  We install, for every inlineable hook (GraphModule or function marked
 ``torch_patches.hooks.inlineable``), one opaque leaf call carrying the pair's identity
 digest as ``user_cache_hash`` (``hooks_cache_key``: every dependency of both hooks, walked
-by ``torch_patches._hook_identity``, and the whole torch_patches config): the same hooks hit
+by ``torch_patches._functorch._aot_autograd.hook_identity``, and the whole torch_patches config): the same hooks hit
 in a fresh process, any changed dependency misses.  Where part of the key is process-local
 (a large captured tensor, keyed by identity), no ``user_cache_hash`` is set, so
 AOTAutogradCache bypasses (lookup and save), and we log why; hooks that cannot be keyed at
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 
 

@@ -2,7 +2,7 @@
 a compiled region.
 
 Used by the Dynamo variable of such a scope (``variables/ctx_manager.py``) when the scope is
-entered: the tensors each hook reads (``_hook_inputs.find_inputs``) become graph inputs at
+entered: the tensors each hook reads (``hook_inputs.find_inputs``) become graph inputs at
 sources built from the hook's own source (``L['hooks'][0].__closure__[0].cell_contents.scale``),
 so Dynamo guards their metadata and each call reads them as they are; each hook is guarded on its
 content at its source (``hook_identity``, with those tensors keyed by metadata: a hook
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs, _hook_walk
+from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk
 from torch_patches._dynamo import output_graph, symbolic_convert
 from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
 
@@ -31,7 +31,7 @@ def _source_name(source: Any) -> str:
 
 def _source_at(base: Any, fn: Any, path: tuple[Any, ...]) -> Any:
     """The Dynamo source of what ``path`` leads to from ``fn``, which is read at ``base``
-    (the accesses ``_hook_inputs.resolve`` makes, as sources)."""
+    (the accesses ``hook_inputs.resolve`` makes, as sources)."""
     from torch._dynamo.source import AttrSource, GetItemSource
 
     source, v = base, fn
@@ -105,9 +105,9 @@ def register_hooks_scope(tx: Any, pair: Any, lifted: list[tuple[Any, Any]]) -> s
     else:
         # Two scopes whose hooks read different tensors of the same metadata have one
         # content digest: which inputs they read tells them apart.
-        key = "scope-" + _hook_walk.digest((digest, tuple(node.name for _, node in lifted)))
+        key = "scope-" + hook_walk.digest((digest, tuple(node.name for _, node in lifted)))
     output = tx.output
-    found = _compile_facts.facts(output.tracing_context)
+    found = compile_facts.facts(output.tracing_context)
     installed = found.scopes  # for the inliner
     if key not in installed:
         graph = fx.Graph()

@@ -2,11 +2,11 @@
 
 Upstream counterpart: ``InstructionTranslator.__init__`` in ``torch/_dynamo/symbolic_convert.py``
 (the root translator of a frame).  After it is built, for the inlineable hooks active around
-the compiled call, every tensor the hooks read (``torch_patches._hook_inputs.find_inputs``: closure
+the compiled call, every tensor the hooks read (``torch_patches._functorch._aot_autograd.hook_inputs.find_inputs``: closure
 cells, globals, defaults, attributes...) is added as a graph input, the way Dynamo adds a
 global tensor the frame reads: its source calls a function installed in the frame's globals
 that follows the tensor's path from the hooks active *at that call* and returns an alias of it
-with a version counter of its own (``_hook_inputs.current_input``).  Dynamo guards the
+with a version counter of its own (``hook_inputs.current_input``).  Dynamo guards the
 input's metadata (``TENSOR_MATCH``), never its values or identity: updating the tensor in
 place, or rebinding the name to another tensor of the same metadata, recompiles nothing, and
 each call passes the tensor the hook would read then.  An unused ``aten.detach`` of it keeps
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_patches import _compile_facts, _hook_identity as hook_keys, _hook_inputs as hook_inputs, _hook_walk
+from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._errors import SavedTensorsHookWarning
 
@@ -103,7 +103,7 @@ _FETCHES = "__saved_tensors_hook_input__"
 
 def install_fetch(output: Any, role: str, path: tuple[Any, ...]) -> tuple[str, Callable[[], Any]]:
     """Install in the frame's globals the function that fetches the tensor at ``path`` from
-    the ``role`` hook active at each call (``_hook_inputs.current_input``); its name, and it.
+    the ``role`` hook active at each call (``hook_inputs.current_input``); its name, and it.
 
     The name is the role's and the path's, never a process-wide counter (Dynamo's
     ``install_global``): it is part of the input's source, which AOTAutogradCache's key holds
@@ -111,7 +111,7 @@ def install_fetch(output: Any, role: str, path: tuple[Any, ...]) -> tuple[str, C
     on what the process compiled before it.  Compiled codes of one module reading a tensor
     at the same path share the one global (the function depends on the role and the path
     only); each holds it, and the last one freed removes it, as Dynamo's own cleanup does."""
-    name = f"__saved_tensors_hook_input_{role}_{_hook_walk.digest(path)}"
+    name = f"__saved_tensors_hook_input_{role}_{hook_walk.digest(path)}"
     scope = output.global_scope
     fetch = scope.get(name)
     if getattr(fetch, _FETCHES, None) != (role, path):
@@ -148,7 +148,7 @@ def lift_hook_inputs(tx: Any) -> None:
     hooks = hook_utils.ambient_saved_tensors_hooks()
     if not hook_utils.saved_tensors_hooks_are_inlineable(hooks) or hook_keys.unkeyable_reasons(hooks):
         return
-    found = _compile_facts.facts(tx.output.tracing_context)
+    found = compile_facts.facts(tx.output.tracing_context)
     if found is None:
         return
 

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from torch_patches import _compile_facts, _logging as tp_logging, config
+from torch_patches import _logging as tp_logging, config
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import utils as hook_utils
-from torch_patches._hook_kinds import decode
+from torch_patches.hooks.markers import decode
 
 
 UPSTREAM_MODULE = "torch._functorch.partitioners"
@@ -51,7 +52,7 @@ def ambient_budget_fraction() -> float | None:
     spec = decode(hook_utils.ambient_saved_tensors_hooks()).budget
     if spec is None or not isinstance(spec.memory, float) or spec.memory >= 1.0:
         return None
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is None or found.scopes:
         return None
     return spec.memory
@@ -75,7 +76,7 @@ def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_in
     from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, recompute_ms
     from torch_patches._functorch._aot_autograd.activation_budget.planner import PARETO_FRACTIONS
 
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is None:
         return
     default = original(joint_graph, node_info, memory_budget=1)
@@ -113,7 +114,7 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         full = _activation_bytes(default, node_info.inputs)
         ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
         artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-        found = _compile_facts.facts()
+        found = compile_facts.facts()
         if found is not None:
             found.partition_cheap_ratio = ratio
         if ratio > fraction:

@@ -13,7 +13,7 @@ is ours, not torch's, so ``torch_key()`` does not cover it: a process of another
 the patch set, sharing the cache directory (the default keeps it across upgrades), would be
 served the code generated under the other release's lowering and order.  The details of a
 graph holding one of those ops also hold the digest of our source
-(``_hook_walk.own_source_digest``, which AOTAutogradCache's key of hooks holds too); other
+(``hook_walk.own_source_digest``, which AOTAutogradCache's key of hooks holds too); other
 graphs' keys are unchanged.  Upstream, where these changes are torch's own source, the digest
 is empty and nothing is added.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_walk import own_source_digest
+from torch_patches._functorch._aot_autograd.hook_walk import own_source_digest
 from torch_patches._inductor.memory import OFFLOAD_OPS
 
 

@@ -28,7 +28,7 @@ tensor to fit a byte budget (``torch_patches.hooks.budget``).
 
 from __future__ import annotations
 
-from torch_patches._hook_kinds import SavedTensorInfo
+from torch_patches.hooks.markers import SavedTensorInfo
 from torch_patches.hooks._inlineable import inlineable, is_inlineable
 from torch_patches.hooks.budget import budget
 from torch_patches.hooks.cache import cache_hash

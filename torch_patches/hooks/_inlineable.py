@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torch_patches._hook_kinds import is_inlineable_hook, mark_inlineable
+from torch_patches.hooks.markers import is_inlineable_hook, mark_inlineable
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -27,7 +27,7 @@ pair plans the saved tensors of its own scope (the per-scope form).  Which optio
 for tensors :func:`~torch_patches.hooks.select.numerics_safe` accepts.  The cost model,
 the solver, recompute recipes and the glue are the package
 ``torch_patches/_functorch/_aot_autograd/activation_budget/`` (README, "Activation memory
-budget").  The pair itself is a marker (``torch_patches._hook_kinds.budget_pair``): identity
+budget").  The pair itself is a marker (``torch_patches.hooks.markers.budget_pair``): identity
 functions carrying the :class:`BudgetSpec` the compiler reads.
 
 The plan is a compile-time decision: the pair's content (``memory``, ``options``) and
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_patches._hook_kinds import BUDGET_ATTR, BUDGET_OPTIONS as OPTIONS, BudgetSpec, budget_pair, budget_spec, decode
+from torch_patches.hooks.markers import BUDGET_ATTR, BUDGET_OPTIONS as OPTIONS, BudgetSpec, budget_pair, budget_spec, decode
 
 
 __all__ = ["BUDGET_ATTR", "OPTIONS", "BudgetSpec", "budget", "unwrap_budget"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torch_patches._hook_kinds import CACHE_HASH_ATTR
+from torch_patches.hooks.markers import CACHE_HASH_ATTR
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -19,7 +19,7 @@ eager hooks the same pair asks the same predicate with what eager knows at pack 
 
 :func:`numerics_safe` is the default of the ready-made lossy hooks (``bf16``,
 ``fp8_rowwise``, ``int8_rowwise`` and chains holding them): the numerics allowlist
-(``torch_patches/_numerics.py``).  A tensor is compressed only where every op reading it
+(``torch_patches/hooks/numerics.py``).  A tensor is compressed only where every op reading it
 in the backward is known to carry a relative error of it into a proportional error of
 the gradient; unknown ops, statistics and tensors too small to pay stay exact.
 """
@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from torch_patches import _numerics, config
-from torch_patches._hook_kinds import OTHERWISE_ATTR, SELECT_ATTR, SavedTensorInfo, decode
-from torch_patches._numerics import BF16, EXACT, FP8, INT8
+from torch_patches import config
+from torch_patches.hooks import numerics
+from torch_patches.hooks.markers import OTHERWISE_ATTR, SELECT_ATTR, SavedTensorInfo, decode
+from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
 from torch_patches.hooks._inlineable import inlineable, is_inlineable
 
 
@@ -142,7 +143,7 @@ def numerics_safe(info: SavedTensorInfo, storage: str = BF16) -> bool:
     Accepts a tensor when it may be stored in ``storage`` (``"bf16"``, the default and the
     least lossy, ``"int8"`` or ``"fp8"``): its :attr:`SavedTensorInfo.tolerance` is at least
     that (every op reading it in the backward has an allowlist entry for the argument it
-    reads it as, see ``torch_patches/_numerics.py``), and it is large enough for row-wise
+    reads it as, see ``torch_patches/hooks/numerics.py``), and it is large enough for row-wise
     compression to pay (a last dimension of at least 2, at least ``config.lossy_min_bytes``).
     The ready-made hooks pass their own storage (``fp8_rowwise()`` asks for ``"fp8"``).
 
@@ -152,7 +153,7 @@ def numerics_safe(info: SavedTensorInfo, storage: str = BF16) -> bool:
         return True
     if info.nbytes < config.lossy_min_bytes or not info.shape or info.shape[-1] < 2:
         return False
-    return _numerics.tolerates(info.tolerance, _numerics.check_level(storage, "numerics_safe"))
+    return numerics.tolerates(info.tolerance, numerics.check_level(storage, "numerics_safe"))
 
 
 def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
@@ -169,7 +170,7 @@ def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
     compiled graph's identity: graphs compiled before recompile.  Use
     ``config.patch(numerics_allowlist=...)`` for a scoped change.
     """
-    _numerics.check_level(storage, "tolerate")
+    numerics.check_level(storage, "tolerate")
     if not args:
         raise ValueError("tolerate: name at least one argument (or '*')")
     if isinstance(op, torch._ops.OpOverload):
@@ -183,7 +184,7 @@ def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
     else:
         raise TypeError(f"tolerate: op must be an OpOverload, an OpOverloadPacket or 'namespace::name', got {op!r}")
     known = {a.name for schema in schemas for a in schema.arguments}
-    unknown = [a for a in args if a != _numerics.ALL_ARGS and schemas and a not in known]
+    unknown = [a for a in args if a != numerics.ALL_ARGS and schemas and a not in known]
     if unknown:
         raise ValueError(f"tolerate: {key} has no argument {unknown[0]!r} (its arguments: {sorted(known)})")
     entries = {k: dict(v) for k, v in config.numerics_allowlist.items()}
@@ -195,4 +196,4 @@ def tolerate(op: Any, *args: str, storage: str = INT8) -> None:
 def op_base_name(op: str) -> str:
     """``"aten.sin.default"`` -> ``"sin"``; ``"SinBackward0"`` -> ``"sin"``; ``"getitem:1 of
     aten.native_layer_norm.default"`` -> ``"native_layer_norm"``."""
-    return _numerics.base_name(op)
+    return numerics.base_name(op)

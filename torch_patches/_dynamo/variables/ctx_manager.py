@@ -36,11 +36,11 @@ import torch.fx as fx
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 
-from torch_patches import _compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._dynamo import region_scopes
-from torch_patches._hook_scopes import SCOPE_KEY
+from torch_patches._functorch._aot_autograd.hook_scopes import SCOPE_KEY
 from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing, utils as hook_utils
-from torch_patches._hook_kinds import is_inlineable_hook
+from torch_patches.hooks.markers import is_inlineable_hook
 
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
             region_scopes.guard_hook_content(source, fn, region_scopes.lifted_paths(lifted, role))
 
         key = region_scopes.register_hooks_scope(tx, pair, lifted)
-        return SavedTensorsHooksVariable(_compile_facts.facts(tx.output.tracing_context).scopes[key], key)
+        return SavedTensorsHooksVariable(compile_facts.facts(tx.output.tracing_context).scopes[key], key)
 
     def enter(self, tx: Any, *args: VariableTracker) -> VariableTracker:
         from torch._dynamo import variables

@@ -39,9 +39,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _compile_facts, config
+from torch_patches import config
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
-from torch_patches import _hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
     hook_tracing,
@@ -62,7 +63,7 @@ UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
 def _record_decision(inlined: bool) -> None:
     # Read by the runtime-wrapper patch of the same compilation, so a graph whose hooks
     # fell back to eager keeps them enabled at runtime.
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is not None:
         key = hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
         found.hooks_inlined = (key, inlined)
@@ -105,7 +106,7 @@ def mark_not_cacheable(reason: str) -> bool:
     the entry is saved at the first backward on autograd's thread, under the restored
     context). False when there is no compilation context to carry it.
     """
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is None:
         return False
     log.info("not cacheable: %s", reason)
@@ -115,14 +116,14 @@ def mark_not_cacheable(reason: str) -> bool:
 
 def not_cacheable_reasons() -> list[str]:
     """Why the compilation in progress must not be saved to AOTAutogradCache (empty: it may)."""
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     return list(found.not_cacheable) if found is not None else []
 
 
 def inlined_decision() -> bool | None:
     """Whether the compilation in progress inlined the ambient hooks (None: it did not try,
     e.g. a cache hit, or the ambient hooks changed since)."""
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is None or found.hooks_inlined is None:
         return None
     key, inlined = found.hooks_inlined
@@ -154,7 +155,7 @@ def maybe_inline_graph_saved_tensors_hooks(
 ) -> None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is not None:
         found.hooks_inlined = None
     ambient = _ambient_pair()
@@ -179,7 +180,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             or config.untraceable_hook == "error"
             # No compilation context (AOTAutograd without Dynamo) to tell the runtime
             # wrapper that the hooks stay eager: raise rather than run without them.
-            or _compile_facts.facts() is None
+            or compile_facts.facts() is None
         ):
             raise
         warn_untraceable_once(

@@ -23,12 +23,13 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx, py_sym_types
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torch_patches import _audit, config
+from torch_patches import config
+from torch_patches._functorch._aot_autograd import hook_audit
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import packed_subclasses, utils as hook_utils
-from torch_patches._hook_kinds import PairKind, decode
-from torch_patches import _hook_identity as hook_keys
-from torch_patches._hook_identity import hook_identity
+from torch_patches.hooks.markers import PairKind, decode
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd.hook_identity import hook_identity
 
 
 _CONSTANT_TYPES = (
@@ -123,7 +124,7 @@ class Traced:
     # pack only: how tensor-subclass outputs were flattened into out_args (None: none were)
     layout: "packed_subclasses.SubclassLayout | None" = None
     #: How many trailing placeholders stand for tensors the hook reads that are runtime
-    #: inputs of the graphs (``_hook_inputs.find_inputs``), in the order they were given.
+    #: inputs of the graphs (``hook_inputs.find_inputs``), in the order they were given.
     num_inputs: int = 0
 
 
@@ -152,7 +153,7 @@ def hook_error(
 
 
 def check_keyable(pair: HookPair) -> None:
-    """Raise if a dependency of the pair cannot be keyed (outcome (c) of ``_hook_walk``):
+    """Raise if a dependency of the pair cannot be keyed (outcome (c) of ``hook_walk``):
     a graph with it baked in could be reused after it changed, so it is not inlined."""
     for role, fn in (("pack", pair.pack), ("unpack", pair.unpack)):
         reasons = hook_identity(fn).unkeyable
@@ -335,7 +336,7 @@ def _captured_tensors_as_constants(flat: list[Any]) -> Iterator[None]:
     itself, never a copy or its printed values, whatever its size. The fake mode has to
     accept them as inputs for that (it would otherwise refuse with an internal assertion
     that prints the tensor element by element). Whether a captured tensor may be reused is
-    the guard's business (``_hook_walk``: small CPU tensors by value, others by
+    the guard's business (``hook_walk``: small CPU tensors by value, others by
     identity and version).
     """
     from torch._subclasses.fake_tensor import maybe_get_fake_mode
@@ -398,15 +399,15 @@ def _purity_key(fn: Any) -> Any:
 @contextlib.contextmanager
 def _no_side_effects(fn: Any) -> Iterator[list[str]]:
     """Collect I/O a plain-function hook attempts while it is traced (files, processes,
-    sockets; this thread only), through the package's audit hook (``_audit``).
+    sockets; this thread only), through the package's audit hook (``hook_audit``).
 
-    Prints are found before tracing, in the hook's code (``_hook_walk``: a hook that
+    Prints are found before tracing, in the hook's code (``hook_walk``: a hook that
     reaches ``print``/``open``/``sys.stdout`` is not keyable), so no stream is ever swapped.
     GraphModules cannot reach the world: nothing to record."""
     if isinstance(fn, torch.fx.GraphModule):
         yield []
         return
-    with _audit.recording() as records:
+    with hook_audit.recording() as records:
         yield records
 
 

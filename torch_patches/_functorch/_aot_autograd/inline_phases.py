@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from torch_patches import _compile_facts, _hook_scopes, _logging as tp_logging, config
+from torch_patches import _logging as tp_logging, config
+from torch_patches._functorch._aot_autograd import compile_facts, hook_scopes
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
     activation_inputs as act_inputs,
@@ -57,8 +58,8 @@ def hooks_for_saved(
     recorded on nodes by the Dynamo patch (see ``scope_of`` for the rule); a saved tensor
     outside every in-graph scope takes the hooks active around the compiled call.
     """
-    scope = _hook_scopes.scope_of(saved, bw_input, bw_order)
-    if scope is _hook_scopes.NO_SCOPE:
+    scope = hook_scopes.scope_of(saved, bw_input, bw_order)
+    if scope is hook_scopes.NO_SCOPE:
         return ambient
     return scope
 
@@ -130,7 +131,7 @@ def _output_aliases(
 
 def stock_pareto() -> tuple[tuple[float, int, float], ...]:
     """The partitioner's pareto of this compilation (only while a report records)."""
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     return tuple(found.stock_pareto) if found is not None else ()
 
 
@@ -450,7 +451,7 @@ def _hook_inputs(
     descriptors number the placeholders; where they do not (tensor-subclass inputs, effect
     tokens) no input can be matched, and the hooks fall back to eager hooks rather than
     compute with the value seen while compiling."""
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     by_label = {p.label: p for p in pairs}
     lifted = [e for e in (found.hook_inputs if found is not None else ()) if e[0] in by_label]
     if not lifted:

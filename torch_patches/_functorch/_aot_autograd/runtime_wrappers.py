@@ -26,7 +26,7 @@ from torch.utils import _python_dispatch
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches import _hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     graph_compile,
     offload_prefetch,

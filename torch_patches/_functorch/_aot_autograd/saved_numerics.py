@@ -1,6 +1,6 @@
 """How much error each saved tensor tolerates, read off the backward graph.
 
-The rule is ``torch_patches/_numerics.py``'s allowlist; this module applies it to a
+The rule is ``torch_patches/hooks/numerics.py``'s allowlist; this module applies it to a
 partitioned backward graph.  The backward is linear in its incoming gradients (the
 ``tangents_*`` placeholders): a node that depends on a tangent computes a gradient, every
 other node recomputes a function of saved tensors.  A saved tensor's error therefore does
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _numerics
-from torch_patches._numerics import BF16, EXACT, FP8, INT8
+from torch_patches.hooks import numerics
+from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
 
 
 #: The most nodes one saved tensor's walk visits before it gives up (and keeps it exact).
@@ -58,7 +58,7 @@ POW_RANGE = (1.0, 3.0)
 class Verdict:
     """How much error a saved tensor tolerates, and why.
 
-    ``level``: ``"exact"``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (``_numerics.LEVELS``);
+    ``level``: ``"exact"``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (``numerics.LEVELS``);
     ``why``: what limits it (None when nothing does); ``readers``: ``"op[arg]"`` for every
     argument the walk met, in graph order."""
 
@@ -97,12 +97,12 @@ def producer_verdict(saved: fx.Node) -> tuple[str, str] | None:
     if saved.target is operator.getitem and isinstance(saved.args[0], fx.Node):
         src = saved.args[0]
         index = saved.args[1]
-        name = _numerics.base_name(str(src.target))
-        if isinstance(index, int) and index > 0 and name not in _numerics.DATA_OUTPUTS:
+        name = numerics.base_name(str(src.target))
+        if isinstance(index, int) and index > 0 and name not in numerics.DATA_OUTPUTS:
             return EXACT, f"output {index} of {src.target} (statistics)"
         return None
-    name = _numerics.base_name(str(saved.target))
-    if name in _numerics.STATISTICS:
+    name = numerics.base_name(str(saved.target))
+    if name in numerics.STATISTICS:
         return EXACT, f"produced by {saved.target} (statistics)"
     return None
 
@@ -118,7 +118,7 @@ def verdict(saved: fx.Node, bw_input: fx.Node | None, facts: BackwardFacts | set
         return Verdict(found[0], found[1], ())
     if bw_input is None:
         return Verdict(EXACT, "not read by the backward", ())
-    table = _numerics.entries()
+    table = numerics.entries()
     level, why = FP8, None
     readers: list[str] = []
     seen: set[fx.Node] = set()
@@ -131,12 +131,12 @@ def verdict(saved: fx.Node, bw_input: fx.Node | None, facts: BackwardFacts | set
             meets = user.op == "output" or user in facts.gradients
             for arg in _args_reading(user, value):
                 got, label = _reader_level(table, user, arg, (saved, bw_input))
-                if meets and got == FP8 and _numerics.is_matmul(user.target) and not _weight_gradient(user, facts):
+                if meets and got == FP8 and numerics.is_matmul(user.target) and not _weight_gradient(user, facts):
                     got, label = INT8, f"{label}(an activation's gradient)"
                 readers.append(label)
                 if got != EXACT and not meets:
                     continue  # carried on to the result: what it meets decides
-                if _numerics.rank(got) < _numerics.rank(level):
+                if numerics.rank(got) < numerics.rank(level):
                     level = got
                     why = f"read as {label}" + (
                         " (not on the numerics allowlist)" if got == EXACT else f" (tolerates {got})"
@@ -175,7 +175,7 @@ def _weight_gradient(matmul: fx.Node, facts: BackwardFacts) -> bool:
                 if not positions or not set(positions) <= facts.accumulated:
                     return False
                 continue
-            if _numerics.base_name(str(user.target)) not in _ACCUMULATE:
+            if numerics.base_name(str(user.target)) not in _ACCUMULATE:
                 return False
             todo.append(user)
     return True
@@ -244,7 +244,7 @@ def _reader_level(table: Any, user: fx.Node, arg: str, origin: tuple[fx.Node, fx
     if user.target is aten.exp.default:
         form = _bounded_exp(user, origin)
         return (INT8, f"{label}({form})") if form else (EXACT, label)
-    level = _numerics.lookup(table, user.target, arg)
+    level = numerics.lookup(table, user.target, arg)
     return (level if level is not None else EXACT), label
 
 

@@ -17,7 +17,7 @@ place/rewrite  packed bytes, where pack and unpack went         ``inline_phases.
 =============  ==============================================  =========================
 
 The records of one compilation (a :class:`CompiledSavedTensors`) are kept on its facts
-(``_compile_facts.CompileFacts.saved_tensors``); the debug log
+(``compile_facts.CompileFacts.saved_tensors``); the debug log
 (``TORCH_LOGS="torch_patches"``) writes them (:func:`log_records`); tests and the bench read
 them through ``torch_patches.testing.saved_tensor_records()``, never the log's text.
 """
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import saved_numerics, utils as hook_utils
-from torch_patches._hook_kinds import SavedTensorInfo
+from torch_patches.hooks.markers import SavedTensorInfo
 
 
 __all__ = [
@@ -329,7 +329,7 @@ def publish(compiled: CompiledSavedTensors) -> None:
     for r in compiled.records:
         r.node = r.bw_input = r.pair = r.chosen = None
     compiled.compile_id = _compile_id()
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is not None:
         found.saved_tensors.append(compiled)
     for out in _observers.get():
@@ -341,7 +341,7 @@ def keep_with(runtime_metadata: Any) -> None:
     on its runtime metadata (``ViewAndMutationMeta``, saved with the graph by
     AOTAutogradCache); a graph loaded from the cache (no inliner ran) hands the records saved
     with it to the observers."""
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     if found is not None and found.saved_tensors:
         setattr(runtime_metadata, RECORDS_ATTR, tuple(found.saved_tensors))
         return

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torch_patches import config
-from torch_patches._hook_kinds import budget_pair, budget_spec, pair_is_inlineable
+from torch_patches.hooks.markers import budget_pair, budget_spec, pair_is_inlineable
 
 
 def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:

@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from torch_patches import _numerics, config
+from torch_patches import config
+from torch_patches.hooks import numerics
 from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
 from torch_patches._functorch._aot_autograd.utils import nbytes_of, size_hint
 from torch_patches.hooks.select import numerics_safe
@@ -84,9 +85,9 @@ def options_for(
         link, exposed = copy_ms(copy_bytes, window, rates)
         return Option(name, 0, compute_ms + exposed + 2 * k, copy_bytes, link, exposed)
 
-    bf16_ok = _numerics.tolerates(tolerance, _numerics.BF16)
-    int8_ok = _numerics.tolerates(tolerance, _numerics.INT8)
-    fp8_ok = _numerics.tolerates(tolerance, _numerics.FP8)
+    bf16_ok = numerics.tolerates(tolerance, numerics.BF16)
+    int8_ok = numerics.tolerates(tolerance, numerics.INT8)
+    fp8_ok = numerics.tolerates(tolerance, numerics.FP8)
     if bf16_ok and "bf16" in allowed and s > 2:
         out.append(Option("bf16", 2 * n, (2 * n * s + 4 * n) / bw + 2 * k))
     if int8_ok and "int8" in allowed and s > 1:
@@ -102,11 +103,11 @@ def options_for(
 
 def lossy_tolerance(info: Any) -> str:
     """The lossiest storage ``numerics_safe`` accepts for a saved tensor (the allowlist's
-    tolerance, and the size rule): one of ``_numerics.LEVELS``."""
-    for level in reversed(_numerics.LEVELS[1:]):
+    tolerance, and the size rule): one of ``numerics.LEVELS``."""
+    for level in reversed(numerics.LEVELS[1:]):
         if numerics_safe(info, level):
             return level
-    return _numerics.EXACT
+    return numerics.EXACT
 
 
 # ------------------------------------------------------------------ compute per node

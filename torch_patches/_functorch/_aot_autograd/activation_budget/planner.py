@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches import _compile_facts, config
+from torch_patches import config
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
     Rates,
@@ -252,7 +253,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     choices, baseline = units.choices, units.baseline
     # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
     # partitioners.py): the budget is a fraction of the default partition's bytes.
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
     target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
 

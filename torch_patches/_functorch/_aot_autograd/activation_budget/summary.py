@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 
-from torch_patches import _compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._errors import SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, Plan
 from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage, module_path
@@ -23,7 +23,7 @@ def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "
     which points the budget bounds, and that and why in words (:attr:`GraphFacts.bounds`)."""
     peak, point = result.peak
     floor, first = result.bounded
-    found = _compile_facts.facts() if result.label == "ambient" else None
+    found = compile_facts.facts() if result.label == "ambient" else None
     cheap = found.partition_cheap_ratio if found is not None else None
     units = tuple(
         PlannedStorage(

@@ -1,9 +1,4 @@
-"""The patch registry.
-
-Every torch attribute that torch_patches replaces is described by one :class:`Patch`
-record (see ``_patches.py``): what it replaces, with what, for which torch versions, which
-upstream code it stands in for, when it can be retired, and a fingerprint of the upstream
-function(s) it was written against.
+"""Installing the records: :func:`apply`, :func:`unapply`, :func:`status`.
 
 :func:`apply` is transactional: every record is checked first (torch version band,
 target present and still torch's own definition, fingerprint known), and only if all
@@ -17,28 +12,24 @@ only :func:`apply` and :func:`status` do.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import gc
-import hashlib
 import importlib
-import inspect
 import logging
 import os
-import re
 import sys
-import textwrap
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
+from torch_patches._registry import patches
+from torch_patches._registry.fingerprints import _definition_fingerprint, _function_of, combine_fingerprints
+from torch_patches._registry.records import Effect, Patch, PatchStatus, _split, parse_version, torch_version
+
 
 log = logging.getLogger(__name__)
-
-#: Oldest and newest torch (major, minor) this project supports.
-SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
 
 _MISSING = object()
 _MARK = "__torch_patches_patch__"
@@ -61,256 +52,7 @@ class _Refused(Exception):
     pass
 
 
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    """One replaced torch attribute.
-
-    Attributes:
-        name: short unique name, ``area.what`` (used in errors, logs, status, export).
-        target: ``"module:Qual.name"`` of the torch attribute that is replaced.
-        replacement: ``"module:attr"`` of our object.  With ``wraps=True`` it is a
-            factory called with the original function that returns the replacement.
-        summary: one line, imperative, as an upstream commit title would read.
-        upstream: link to the upstream code/PR this patch changes.
-        retire_when: the condition under which this patch can be deleted.
-        fingerprints: torch version -> fingerprint of the upstream source this patch
-            was written against (see :func:`fingerprint_source`).  The installed
-            torch's fingerprint must be one of the values.
-        depends_on: further ``"module:Qual.name"`` whose source the patch relies on
-            (conventions it reads or functions it calls); they are part of the
-            fingerprint.
-        torch_min / torch_max: inclusive (major, minor) band.
-        after: names of patches this one builds on (order of the upstream stack).
-        issue: the tracker issue that introduced it.
-        tests: our test files that exercise it (the Test Plan of its upstream commit).
-        area: ``"core"`` (always applied) or an opt-out area named by a keyword of
-            :func:`apply` (``"offload"``: ``apply(offload=False)`` leaves it out).
-    """
-
-    name: str
-    target: str
-    replacement: str
-    summary: str
-    upstream: str
-    retire_when: str
-    fingerprints: Mapping[str, str]
-    wraps: bool = False
-    depends_on: tuple[str, ...] = ()
-    torch_min: tuple[int, int] = SUPPORTED_TORCH[0]
-    torch_max: tuple[int, int] = SUPPORTED_TORCH[1]
-    after: tuple[str, ...] = ()
-    issue: int | None = None
-    tests: tuple[str, ...] = ()
-    area: str = "core"
-
-    @property
-    def band(self) -> str:
-        return "{}.{}-{}.{}".format(*self.torch_min, *self.torch_max)
-
-    def in_band(self, version: tuple[int, int]) -> bool:
-        return self.torch_min <= version <= self.torch_max
-
-
-@dataclasses.dataclass(frozen=True)
-class UpstreamForm:
-    """What an :class:`Effect` is in the upstream form, where torch holds the feature and no
-    ``apply()`` runs: code that runs when an upstream module is imported.
-
-    Attributes:
-        home: the upstream module whose import does it (``torch._logging._registrations``).
-        form: ``"module:function"`` of ours, a function without parameters whose body is
-            that code.  The exporter appends the body to ``home``, names resolved as in any
-            exported code; a name of ours bound to a string constant is written as the
-            literal (an upstream registration names its artifact in place).
-        title: the subject of its upstream commit (``[inductor] ...``).
-        after: patches it builds on: its commit comes right after the last of them, first
-            in the stack when there are none.
-    """
-
-    home: str
-    form: str
-    title: str
-    after: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Effect:
-    """A global effect of :func:`apply` that is not an attribute replacement (a logging
-    artifact, an Inductor lowering, an audit hook).
-
-    Attributes:
-        name: ``area.what``, as patch names.
-        install: ``"module:function"`` called by :func:`apply` after every patch is in
-            place; it returns a callable that undoes the effect, or None when the effect
-            cannot be undone and is inert once unapplied (``inert`` says why).
-        summary: what it does, one line.
-        inert: for an effect that stays after :func:`unapply`: why it then does nothing.
-        area: as :attr:`Patch.area`.
-        upstream: its upstream form, exported as a commit of its own (see
-            :class:`UpstreamForm`).
-        upstream_lazy: instead of ``upstream``: why the upstream form needs none (the
-            exported code does it at first use).
-        tests: as :attr:`Patch.tests`.
-    """
-
-    name: str
-    install: str
-    summary: str
-    inert: str = ""
-    area: str = "core"
-    upstream: UpstreamForm | None = None
-    upstream_lazy: str = ""
-    tests: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass
-class PatchStatus:
-    """What :func:`status` reports for one patch on the installed torch."""
-
-    name: str
-    target: str
-    band: str
-    in_band: bool
-    applied: bool
-    fingerprint: str | None
-    fingerprint_ok: bool
-    upstream: str
-    retire_when: str
-    summary: str
-    problem: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-# --------------------------------------------------------------------------- versions
-
-
-def parse_version(version: str) -> tuple[int, int]:
-    m = re.match(r"^(\d+)\.(\d+)", version)
-    if not m:
-        raise ValueError(f"cannot parse torch version {version!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def torch_version() -> str:
-    """The installed torch's version string (a seam for tests)."""
-    import torch
-
-    return str(torch.__version__)
-
-
 # ------------------------------------------------------------------------ fingerprints
-
-
-class _Normalize(ast.NodeTransformer):
-    """Drop what cannot change behaviour: docstrings and type annotations."""
-
-    def _strip_docstring(self, node: Any) -> None:
-        body = node.body
-        if (
-            body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            node.body = body[1:] or [ast.Pass()]
-
-    def visit_FunctionDef(self, node: Any) -> Any:
-        self._strip_docstring(node)
-        node.returns = None
-        return self.generic_visit(node)
-
-    visit_AsyncFunctionDef = visit_FunctionDef
-
-    def visit_ClassDef(self, node: ast.ClassDef) -> Any:
-        self._strip_docstring(node)
-        return self.generic_visit(node)
-
-    def visit_arg(self, node: ast.arg) -> Any:
-        node.annotation = None
-        return node
-
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> Any:
-        if node.value is None:
-            return None
-        return ast.Assign(targets=[node.target], value=self.visit(node.value))
-
-
-def _canon(node: Any) -> str:
-    """A serialisation of an AST that is stable across Python versions.
-
-    Fields that are empty or None are skipped, so fields newer Pythons add with empty
-    defaults (``type_params``...) do not change the result.
-    """
-    if isinstance(node, ast.AST):
-        parts = []
-        for field in node._fields:
-            if field == "type_comment":
-                continue
-            value = getattr(node, field, None)
-            if value is None or value == []:
-                continue
-            parts.append(f"{field}={_canon(value)}")
-        return f"{type(node).__name__}({','.join(parts)})"
-    if isinstance(node, list):
-        return "[" + ",".join(_canon(v) for v in node) + "]"
-    return f"{type(node).__name__}:{node!r}"
-
-
-def _def_node(tree: ast.AST) -> ast.AST:
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return node
-    raise ValueError("no function or class definition in source")
-
-
-def fingerprint_source(source: str) -> str:
-    """Fingerprint of the first function/class definition in ``source``.
-
-    Comments, docstrings, type annotations and formatting do not count; everything
-    else in the definition (its body, defaults, decorators) does.
-    """
-    node = _Normalize().visit(_def_node(ast.parse(textwrap.dedent(source))))
-    return hashlib.sha256(_canon(node).encode()).hexdigest()[:16]
-
-
-def find_definition(module_source: str, qualname: str) -> str:
-    """Source text of ``qualname`` (``Class.method`` or ``function``) in a module."""
-    tree = ast.parse(module_source)
-    body: list[ast.stmt] = tree.body
-    node: ast.AST | None = None
-    for part in qualname.split("."):
-        node = next(
-            (
-                n
-                for n in body
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                and n.name == part
-            ),
-            None,
-        )
-        if node is None:
-            raise LookupError(f"{qualname} not defined at top level of the module")
-        body = node.body  # type: ignore[attr-defined]
-    lines = module_source.splitlines(keepends=True)
-    start = min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[union-attr]
-    return "".join(lines[start - 1 : node.end_lineno])  # type: ignore[union-attr]
-
-
-def combine_fingerprints(parts: Iterable[str]) -> str:
-    parts = list(parts)
-    if len(parts) == 1:
-        return parts[0]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _function_of(raw: Any) -> Any:
-    if isinstance(raw, (staticmethod, classmethod)):
-        return raw.__func__
-    if isinstance(raw, property):
-        return raw.fget
-    return raw
 
 
 def live_fingerprint(targets: Iterable[str]) -> str:
@@ -326,30 +68,7 @@ def live_fingerprint(targets: Iterable[str]) -> str:
     return combine_fingerprints(parts)
 
 
-#: Fingerprints of live definitions, by definition site and code object: apply() checks the
-#: same originals at every call (a process may apply and unapply many times), and reading and
-#: parsing their source again each time cost most of an apply.
-_DEFINITION_FINGERPRINTS: dict[tuple[str, Any], str] = {}
-
-
-def _definition_fingerprint(fn: Any) -> str:
-    code = getattr(inspect.unwrap(fn), "__code__", None)  # getsource reads the unwrapped function
-    if code is None:  # a class: no code object to key on
-        return fingerprint_source(inspect.getsource(fn))
-    key = (code.co_filename, code)  # a new definition (or a reassigned __code__) is a new key
-    if key not in _DEFINITION_FINGERPRINTS:
-        _DEFINITION_FINGERPRINTS[key] = fingerprint_source(inspect.getsource(fn))
-    return _DEFINITION_FINGERPRINTS[key]
-
-
 # ---------------------------------------------------------------------------- targets
-
-
-def _split(target: str) -> tuple[str, list[str]]:
-    module_name, _, qual = target.partition(":")
-    if not module_name or not qual:
-        raise ValueError(f"target {target!r} is not of the form 'module:Qual.name'")
-    return module_name, qual.split(".")
 
 
 def _resolve(target: str) -> tuple[Any, str, Any]:
@@ -436,15 +155,11 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def _registered() -> tuple[Patch, ...]:
-    from torch_patches._patches import PATCHES
-
-    return PATCHES
+    return patches.PATCHES
 
 
 def _registered_effects() -> tuple[Effect, ...]:
-    from torch_patches._patches import EFFECTS
-
-    return EFFECTS
+    return patches.EFFECTS
 
 
 #: Undo callables of the effects :func:`apply` installed, in install order (None: inert).
@@ -730,31 +445,3 @@ def status() -> list[PatchStatus]:
             )
         )
     return out
-
-
-def validate_records(patches: Iterable[Patch]) -> list[str]:
-    """Problems with the records themselves (used by the meta-tests)."""
-    problems = []
-    names = set()
-    for p in patches:
-        for field in ("name", "target", "replacement", "summary", "upstream", "retire_when"):
-            if not getattr(p, field):
-                problems.append(f"{p.name or '?'}: empty {field}")
-        if p.name in names:
-            problems.append(f"{p.name}: duplicate name")
-        names.add(p.name)
-        if not p.fingerprints:
-            problems.append(f"{p.name}: no fingerprints")
-        if not p.upstream.startswith("https://github.com/pytorch/pytorch"):
-            problems.append(f"{p.name}: upstream link is not a pytorch/pytorch URL")
-        if not (SUPPORTED_TORCH[0] <= p.torch_min <= p.torch_max <= SUPPORTED_TORCH[1]):
-            problems.append(f"{p.name}: band {p.band} outside the supported window")
-        for dep in p.after:
-            if dep not in names:
-                problems.append(f"{p.name}: 'after' names {dep!r}, not an earlier patch")
-        try:
-            _split(p.target)
-            _split(p.replacement)
-        except ValueError as e:
-            problems.append(f"{p.name}: {e}")
-    return problems

@@ -4,7 +4,7 @@ Two parts of the package learn something only an audit hook can tell them:
 
 * the tracer records the I/O a plain-function hook attempts while it is traced (files,
   processes, sockets: :func:`recording`, used by ``hook_tracing._no_side_effects``);
-* the watches that re-check a hook's identity at every compiled call (``_hook_watch``)
+* the watches that re-check a hook's identity at every compiled call (``hook_watch``)
   learn that some function's ``__code__``, ``__defaults__`` or ``__kwdefaults__`` was
   assigned (:func:`function_writes`).  Reading those attributes is itself an audited event
   (``object.__getattr__``), which makes every read cost a call of every audit hook of the

@@ -1,8 +1,8 @@
 """A saved-tensors hook pair's keys for guards and compile caches.
 
 :func:`hook_identity` keys one hook by what its compiled graph depends on (the walk and its
-three outcomes: ``_hook_walk``), with the tensors it reads that are runtime inputs of the
-graphs (``_hook_inputs``) keyed by their metadata.  From it: the guard state and the
+three outcomes: ``hook_walk``), with the tensors it reads that are runtime inputs of the
+graphs (``hook_inputs``) keyed by their metadata.  From it: the guard state and the
 content check Dynamo installs for the hooks active around a compiled call
 (:func:`hooks_guard_state`, :func:`hook_content_check`), the compile-cache key of a pair
 (:func:`hooks_cache_key`) and a hook's own ``cache_hash`` (:func:`hook_cache_hash`).
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from torch_patches import config
-from torch_patches._hook_kinds import is_inlineable_hook, pair_is_inlineable
-from torch_patches._hook_inputs import find_inputs
-from torch_patches._hook_watch import Watches
-from torch_patches._hook_walk import HookIdentity, _Walker, digest, own_source_digest, value_keyed
+from torch_patches.hooks.markers import is_inlineable_hook, pair_is_inlineable
+from torch_patches._functorch._aot_autograd.hook_inputs import find_inputs
+from torch_patches._functorch._aot_autograd.hook_watch import Watches
+from torch_patches._functorch._aot_autograd.hook_walk import HookIdentity, _Walker, digest, own_source_digest, value_keyed
 
 
 # Attribute names found in each hook's reachable code, so the next walk of the same hook
@@ -35,7 +35,7 @@ Lift = bool | frozenset[tuple["Step", ...]]
 
 
 class _Known:
-    """A hook's identity with what re-checks it (``_hook_watch.Watches``)."""
+    """A hook's identity with what re-checks it (``hook_watch.Watches``)."""
 
     __slots__ = ("ref", "identity", "watches")
 
@@ -65,7 +65,7 @@ def hook_identity(fn: Any, lift: Lift = False) -> HookIdentity:
 
     This runs at every compiled call (the frames' guards): the walk runs once per hook
     object, and afterwards only its watches are checked (dict versions, identities,
-    tensor versions: ``_hook_watch``); a hook whose watches fail is walked again."""
+    tensor versions: ``hook_watch``); a hook whose watches fail is walked again."""
     try:
         ref = weakref.ref(fn)
         per_lift = _known.get(ref)

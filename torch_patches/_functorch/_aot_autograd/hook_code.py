@@ -1,5 +1,5 @@
 """How a saved-tensors hook's code reads the world, for the walk that keys it
-(``_hook_walk``): which modules belong to installed libraries (fixed by their distribution's
+(``hook_walk``): which modules belong to installed libraries (fixed by their distribution's
 version) or to this package, which library functions return a new value at every call
 (random numbers, clocks), what a code object names (globals, attributes, imports, computed
 names, I/O), and the state of objects Python can see (instance dictionaries, slots)."""

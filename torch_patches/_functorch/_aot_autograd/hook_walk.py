@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_code import (
+from torch_patches._functorch._aot_autograd.hook_code import (
     _ATOMS,
     _CLASS_DICT_SKIP,
     _OWN_ROOT,
@@ -85,8 +85,8 @@ from torch_patches._hook_code import (
     _slot_values,
     _volatile_name,
 )
-from torch_patches._hook_kinds import CACHE_HASH_ATTR
-from torch_patches._hook_watch import Watches, tensor_bytes, tensor_parts
+from torch_patches.hooks.markers import CACHE_HASH_ATTR
+from torch_patches._functorch._aot_autograd.hook_watch import Watches, tensor_bytes, tensor_parts
 
 
 # Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.

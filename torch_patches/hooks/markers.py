@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from torch_patches import _numerics
+from torch_patches.hooks import numerics
 from torch_patches._errors import SavedTensorsHookWarning
 
 
@@ -201,7 +201,7 @@ class SavedTensorInfo:
         is_input: a graph input (compiled) or a leaf (eager).
         scope: ``"ambient"``, an in-region scope's name, or ``"eager"``.
         tolerance: the lossiest storage the numerics allowlist accepts for it: ``"exact"``,
-            ``"bf16"``, ``"int8"`` or ``"fp8"``; see ``torch_patches/_numerics.py``.
+            ``"bf16"``, ``"int8"`` or ``"fp8"``; see ``torch_patches/hooks/numerics.py``.
         why: what limits ``tolerance`` (the reader and argument, or the producer), or None.
         readers: ``"op[argument]"`` for every argument it is read as on the way to a
             gradient (compiled); ``None`` in eager.
@@ -215,7 +215,7 @@ class SavedTensorInfo:
     backward_consumers: tuple[str, ...] | None
     is_input: bool
     scope: str
-    tolerance: str = "fp8"  # the lossiest level (_numerics.FP8)
+    tolerance: str = "fp8"  # the lossiest level (numerics.FP8)
     why: str | None = None
     readers: tuple[str, ...] | None = None
 
@@ -227,7 +227,7 @@ class SavedTensorInfo:
     def from_tensor(t: torch.Tensor) -> "SavedTensorInfo":
         """What eager knows of a tensor at pack time (its producer, not its readers)."""
         grad_fn = t.grad_fn
-        tolerance, why = _numerics.eager_verdict(t)
+        tolerance, why = numerics.eager_verdict(t)
         return SavedTensorInfo(
             name=None,
             producer=None if grad_fn is None else type(grad_fn).__name__,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from torch_patches import _compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts
 
 
 #: ``node.meta["custom"]`` key naming the in-graph hooks scope a node was created in.
@@ -47,7 +47,7 @@ def scope_of(saved: fx.Node, bw_input: fx.Node | None, bw_order: dict[fx.Node, i
         key = _key(min(readers, key=bw_order.__getitem__))
     if key is None:
         return NO_SCOPE
-    found = _compile_facts.facts()
+    found = compile_facts.facts()
     pair = found.scopes.get(key) if found is not None else None
     if pair is None:
         raise AssertionError(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_patches._hook_code import _cell_filled, _global_names, _is_library_module, _is_own_module
+from torch_patches._functorch._aot_autograd.hook_code import _cell_filled, _global_names, _is_library_module, _is_own_module
 
 
 #: How deep the walk follows references from a hook function.
@@ -125,7 +125,7 @@ def _children(v: Any, names: set[str]) -> list[tuple[Step, Any]]:
         for name, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
             if _cell_filled(cell):
                 out.append((Step("closure", name), cell.cell_contents))
-        # Our own functions' globals are our code (keyed by our source, as _hook_walk does):
+        # Our own functions' globals are our code (keyed by our source, as hook_walk does):
         # what such a function was made with is in its closure and defaults.
         for name in () if _is_own_module(v.__module__) else sorted(_global_names(v.__code__)):
             if name in v.__globals__:

@@ -5,7 +5,7 @@
   inductor paths, with the AOT inputs named by the Dynamo input they stand for.
 * :func:`normalize_graph` turns a graph into stable text (comments, file paths and device
   indices removed; ``# pack(x)`` / ``# unpack(x)`` marks on the nodes the inliner
-  inserted): the tests' goldens (``torch_patches._testing``) and what
+  inserted): the tests' goldens (``torch_patches.testing._internal.common_saved_tensors_hooks``) and what
   ``python -m torch_patches demo`` prints.
 
 Nothing here needs more than torch: the demo runs it with only the base install, without

@@ -8,20 +8,8 @@ only after re-reading the upstream change (see CONTRIBUTING.md).
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping
-
-from torch_patches._registry import Effect, Patch, UpstreamForm
-
-
-_FINGERPRINTS_FILE = os.path.join(os.path.dirname(__file__), "fingerprints.json")
-with open(_FINGERPRINTS_FILE) as _f:
-    _FINGERPRINTS: dict[str, dict[str, str]] = json.load(_f)
-
-
-def _fp(name: str) -> Mapping[str, str]:
-    return dict(_FINGERPRINTS.get(name, {}))
+from torch_patches._registry.fingerprints import recorded as _fp
+from torch_patches._registry.records import Effect, Patch, UpstreamForm
 
 
 PR_150032 = "https://github.com/pytorch/pytorch/pull/150032"
@@ -264,12 +252,12 @@ EFFECTS: tuple[Effect, ...] = (
     ),
     Effect(
         name="aot.side_effect_probe",
-        install=f"{_TP}_audit:install",
+        install=f"{_TP}_functorch._aot_autograd.hook_audit:install",
         summary="a Python audit hook recording the I/O a hook attempts while it is traced, and counting "
         "assignments to functions' code and defaults (the hook identities' watches)",
         inert="audit hooks cannot be removed (PEP 578); it records only in a thread tracing a hook, and "
         "only a function's code or defaults being assigned moves its counter",
-        upstream_lazy="the tracer and the hook identities' watches add the audit hook at first use (_audit.install)",
+        upstream_lazy="the tracer and the hook identities' watches add the audit hook at first use (hook_audit.install)",
     ),
     Effect(
         name="inductor.offload_lowering",

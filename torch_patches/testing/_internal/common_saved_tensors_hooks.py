@@ -26,7 +26,7 @@ import torch
 import torch._dynamo.test_case
 import torch._dynamo.testing
 import torch.fx as fx
-from torch_patches._recorded_graphs import (
+from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
     hook_nodes,

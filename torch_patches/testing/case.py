@@ -1,47 +1,12 @@
-"""Test harness for torch_patches, in the style of PyTorch's own compiler tests.
-
-The helpers (:class:`AotEagerAndRecordGraphs`, :class:`InductorAndRecordGraphs`,
-:func:`normalize_graph`, :func:`hook_nodes`, :func:`peak_bytes`,
-:func:`saved_tensor_records`, :data:`TORCH_VERSION`, :func:`instantiate_device_type_tests`)
-are :mod:`torch_patches._testing`'s, whose upstream form is
-``torch/testing/_internal/common_saved_tensors_hooks.py``.  :class:`TestCase` adds the patch
-set: every test runs with torch_patches applied (``apply_patches = False`` for tests of
-stock behaviour), or against upstream-form torch (below).
-"""
+"""The patch set's test case: every test runs with torch_patches applied
+(``apply_patches = False`` for tests of stock behaviour), or against upstream-form torch
+(below).  Its base is the helpers' ``TestCase``
+(``_internal/common_saved_tensors_hooks.py``), which needs nothing of the patch set."""
 
 from __future__ import annotations
 
 import torch_patches
-from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
-from torch_patches._testing import (
-    HAS_CUDA,
-    TORCH_VERSION,
-    AotEagerAndRecordGraphs,
-    InductorAndRecordGraphs,
-    TestCase as _HooksTestCase,
-    hook_nodes,
-    hook_warnings,
-    instantiate_device_type_tests,
-    normalize_graph,
-    peak_bytes,
-    saved_tensor_records,
-)
-
-__all__ = [
-    "AotEagerAndRecordGraphs",
-    "HAS_CUDA",
-    "InductorAndRecordGraphs",
-    "SavedTensorsHookError",
-    "SavedTensorsHookWarning",
-    "TORCH_VERSION",
-    "TestCase",
-    "hook_nodes",
-    "hook_warnings",
-    "instantiate_device_type_tests",
-    "normalize_graph",
-    "peak_bytes",
-    "saved_tensor_records",
-]
+from torch_patches.testing._internal.common_saved_tensors_hooks import TestCase as _HooksTestCase
 
 
 class TestCase(_HooksTestCase):

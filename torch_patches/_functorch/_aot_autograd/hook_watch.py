@@ -1,6 +1,6 @@
 """Cheap re-verification of what a hook's walk read: the per-call half of hook identity.
 
-Walking a hook (``_hook_walk``) is compile-time work: it follows closures, globals,
+Walking a hook (``hook_walk``) is compile-time work: it follows closures, globals,
 defaults, module attributes and object state recursively.  The walk's result must then be
 re-checked at every compiled call (the frame's guard) and wherever a key is asked for
 again, and that check must cost what Dynamo's own guards cost, not another walk.
@@ -16,7 +16,7 @@ content the key was built from, the cheapest test that it still holds what was r
   name the walk read still holding the same object, after which the new version is
   remembered;
 * a function's code and defaults: that no function's were assigned since (the package's
-  audit hook counts such assignments, ``_audit``);
+  audit hook counts such assignments, ``hook_audit``);
 * a closure cell, a list, a set, a class namespace, slots,
   an attribute chain of a ``GraphModule``: the objects they hold, by identity;
 * a tensor: its metadata, with its version counter and data pointer (keyed by identity) or
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from torch_patches import _audit
+from torch_patches._functorch._aot_autograd import hook_audit
 
 try:  # The dict version tag Dynamo's DICT_VERSION guard reads (torch 2.11-2.15).
     from torch._C._dynamo.guards import dict_version as _dict_version
@@ -250,9 +250,9 @@ class Watches:
 
     def function(self, fn: Any) -> None:
         """A function's code and defaults (assignable): no assignment to any function's
-        since the walk, which the package's audit hook counts (``_audit``: reading them
+        since the walk, which the package's audit hook counts (``hook_audit``: reading them
         here would be an audited event itself, a call of every audit hook per read)."""
-        writes = _audit.function_writes()
+        writes = hook_audit.function_writes()
         self._add(_counter_is, writes, writes[0])
 
     def sequence(self, seq: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 @dataclasses.dataclass
 class CompileFacts:
     #: In-graph saved-tensors-hooks scopes Dynamo traced, by scope key -> ``HookPair``
-    #: (read by the inliner through ``_hook_scopes.scope_of``).
+    #: (read by the inliner through ``hook_scopes.scope_of``).
     scopes: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: (guard key of the ambient hooks, whether the inliner inlined them) for the graph
     #: compiled last in this context (read by the runtime-wrapper factory).
@@ -45,7 +45,7 @@ class CompileFacts:
     #: (``saved_tensor_records.CompiledSavedTensors``, in compile order).
     saved_tensors: list[Any] = dataclasses.field(default_factory=list)
     #: Tensors inlined hooks read that Dynamo made graph inputs: (the pair's label -
-    #: ``"ambient"`` or an in-region scope's -, ``_hook_inputs.LiftedTensor``, the Dynamo
+    #: ``"ambient"`` or an in-region scope's -, ``hook_inputs.LiftedTensor``, the Dynamo
     #: graph's placeholder), read by the inliner.
     hook_inputs: list[Any] = dataclasses.field(default_factory=list)
 
