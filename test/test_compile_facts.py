@@ -48,6 +48,20 @@ class TestCompileFacts(TestCase):
         self.assertEqual(facts.not_cacheable, [])
         self.assertIsNone(compile_facts.facts())  # outside a compilation: nothing
 
+    def test_accessors_answer_for_the_current_compilation(self, device):
+        from torch._guards import TracingContext, tracing
+
+        self.assertEqual(compile_facts.not_cacheable_reasons(), [])  # no compilation
+        self.assertFalse(compile_facts.mark_not_cacheable("outside"))
+        with tracing(TracingContext(None)):
+            self.assertIsNone(compile_facts.inlined("key"))  # not tried
+            compile_facts.record_inlined("key", False)
+            self.assertIs(compile_facts.inlined("key"), False)
+            self.assertIsNone(compile_facts.inlined("other hooks"))  # the ambient hooks changed
+            self.assertTrue(compile_facts.mark_not_cacheable("why"))
+            self.assertEqual(compile_facts.not_cacheable_reasons(), ["why"])
+        self.assertEqual(compile_facts.not_cacheable_reasons(), [])
+
     def test_concurrent_compiles_keep_their_own_decisions(self, device):
         # One thread's hooks fall back to eager (untraceable), the other's inline: each
         # compiled function runs its own hooks at run time.

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk
 from torch_patches._dynamo import output_graph, symbolic_convert
-from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing
+from torch_patches._functorch._aot_autograd import hook_tracing
 
 
 def _source_name(source: Any) -> str:
@@ -99,7 +99,7 @@ def register_hooks_scope(tx: Any, pair: Any, lifted: list[tuple[Any, Any]]) -> s
     if digest is None:
         # No key valid across processes: a key that can never hit, and no cache entry.
         key = f"local-{uuid.uuid4().hex}"
-        graph_compile.mark_not_cacheable(
+        compile_facts.mark_not_cacheable(
             f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
         )
     else:

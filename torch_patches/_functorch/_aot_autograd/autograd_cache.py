@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from torch_patches._functorch._aot_autograd import graph_compile
+from torch_patches._functorch._aot_autograd import compile_facts
 
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def save(key: str, entry: Any, remote: bool) -> None:
-        reasons = graph_compile.not_cacheable_reasons()
+        reasons = compile_facts.not_cacheable_reasons()
         if reasons:
             from torch._dynamo.utils import counters
 

@@ -11,12 +11,21 @@ threads, or a recompile) can never read each other's facts.
 Without a TracingContext (AOTAutograd called directly, not through Dynamo) there is no
 carrier: :func:`facts` returns None, and the stages fall back to what they can decide alone
 (the inliner raises instead of falling back to eager hooks, see ``graph_compile``).
+
+The facts one stage writes and another reads through a question (was the ambient pair
+inlined, may this compilation be cached) are asked here (:func:`record_inlined`,
+:func:`inlined`, :func:`mark_not_cacheable`, :func:`not_cacheable_reasons`), so a reader
+imports this module, not the stage that wrote the fact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -66,3 +75,48 @@ def facts(tracing_context: Any = None) -> CompileFacts | None:
         found = CompileFacts()
         setattr(tracing_context, _ATTR, found)
     return found
+
+
+# ------------------------------------------------------------------------ accessors
+
+
+def record_inlined(guard_key: Any, inlined: bool) -> None:
+    """The compilation in progress inlined the ambient hooks whose guard key is
+    ``guard_key`` (``inlined``) or fell back to eager hooks (read by the runtime-wrapper
+    factory of the same compilation, so a graph whose hooks fell back keeps them enabled at
+    runtime)."""
+    found = facts()
+    if found is not None:
+        found.hooks_inlined = (guard_key, inlined)
+
+
+def inlined(guard_key: Any) -> bool | None:
+    """Whether the compilation in progress inlined the ambient hooks, if they still have
+    ``guard_key`` (None: it did not try, e.g. a cache hit, or the ambient hooks changed
+    since)."""
+    found = facts()
+    if found is None or found.hooks_inlined is None:
+        return None
+    key, decision = found.hooks_inlined
+    return decision if key == guard_key else None
+
+
+def mark_not_cacheable(reason: str) -> bool:
+    """The compilation in progress must not be saved to AOTAutogradCache.
+
+    Recorded on the compilation's facts (read by the AOTAutogradCache save patch, also when
+    the entry is saved at the first backward on autograd's thread, under the restored
+    context). False when there is no compilation context to carry it.
+    """
+    found = facts()
+    if found is None:
+        return False
+    log.info("not cacheable: %s", reason)
+    found.not_cacheable.append(reason)
+    return True
+
+
+def not_cacheable_reasons() -> list[str]:
+    """Why the compilation in progress must not be saved to AOTAutogradCache (empty: it may)."""
+    found = facts()
+    return list(found.not_cacheable) if found is not None else []

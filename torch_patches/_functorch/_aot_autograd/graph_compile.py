@@ -61,12 +61,8 @@ UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
 # --------------------------------------------------------------- compile decisions
 
 def _record_decision(inlined: bool) -> None:
-    # Read by the runtime-wrapper patch of the same compilation, so a graph whose hooks
-    # fell back to eager keeps them enabled at runtime.
-    found = compile_facts.facts()
-    if found is not None:
-        key = hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
-        found.hooks_inlined = (key, inlined)
+    key = hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
+    compile_facts.record_inlined(key, inlined)
 
 
 _warned: set[Any] = set()
@@ -97,39 +93,6 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
         SavedTensorsHookWarning,
         stacklevel=3,
     )
-
-
-def mark_not_cacheable(reason: str) -> bool:
-    """The compilation in progress must not be saved to AOTAutogradCache.
-
-    Recorded on the compilation's facts (read by the AOTAutogradCache save patch, also when
-    the entry is saved at the first backward on autograd's thread, under the restored
-    context). False when there is no compilation context to carry it.
-    """
-    found = compile_facts.facts()
-    if found is None:
-        return False
-    log.info("not cacheable: %s", reason)
-    found.not_cacheable.append(reason)
-    return True
-
-
-def not_cacheable_reasons() -> list[str]:
-    """Why the compilation in progress must not be saved to AOTAutogradCache (empty: it may)."""
-    found = compile_facts.facts()
-    return list(found.not_cacheable) if found is not None else []
-
-
-def inlined_decision() -> bool | None:
-    """Whether the compilation in progress inlined the ambient hooks (None: it did not try,
-    e.g. a cache hit, or the ambient hooks changed since)."""
-    found = compile_facts.facts()
-    if found is None or found.hooks_inlined is None:
-        return None
-    key, inlined = found.hooks_inlined
-    if key != hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks()):
-        return None
-    return inlined
 
 
 # ------------------------------------------------------------------- scope lookup
@@ -190,7 +153,7 @@ def maybe_inline_graph_saved_tensors_hooks(
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)
-        mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
+        compile_facts.mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
         records.publish(records.CompiledSavedTensors([], fallback=str(e)))
         return
     if ambient is not None:

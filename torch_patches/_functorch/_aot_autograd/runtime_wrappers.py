@@ -28,7 +28,7 @@ from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
 from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
-    graph_compile,
+    compile_facts,
     offload_prefetch,
     saved_tensor_records as records,
     utils as hook_utils,
@@ -157,7 +157,7 @@ def _runtime_context() -> Callable[..., Any] | None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
     hooks = hook_utils.ambient_saved_tensors_hooks()
-    inlined = graph_compile.inlined_decision()
+    inlined = compile_facts.inlined(hook_keys.hooks_guard_key(hooks))
     if hooks is None:
         # Compiled without hooks: its guard also admits Python hooks (they do not change
         # the graph), which then run under the contract.
