@@ -37,6 +37,7 @@ import identity_deps as deps
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd.hook_identity import hook_identity
+from torch_patches._functorch._aot_autograd.hook_walk import Keying, tensor_keying
 from torch_patches.hooks import inlineable
 from torch_patches.testing import TestCase, hook_warnings, instantiate_device_type_tests
 
@@ -266,6 +267,51 @@ class TestCapturedTensors(IdentityTestCase):
         # Keyed by identity and version, never read element by element; kept alive.
         self.assertTrue(ident.local)
         self.assertTrue(any(p is big for p in ident.pins))
+
+
+class _Tagged(torch.Tensor):
+    """A plain tensor subclass (no ``__torch_dispatch__``): a small one is still no plain tensor."""
+
+
+def _tensor_keys(key):
+    """The walk's entries for tensors in a hook's key."""
+    if isinstance(key, tuple):
+        if key[:1] == ("tensor",):
+            yield key
+        for part in key:
+            yield from _tensor_keys(part)
+
+
+class TestTensorKeying(TestCase):
+    """One rule (``hook_walk.tensor_keying``) says how a captured tensor is keyed; the walk
+    keys by it and the identity pins exactly the tensors it keys by identity."""
+
+    def test_value_identity_and_lifted(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sparse CSR is in beta
+            csr = torch.eye(3).to_sparse_csr()
+        cases = {
+            "small dense": (torch.full((3,), 2.0), Keying.VALUE),
+            "small subclass": (torch.full((3,), 2.0).as_subclass(_Tagged), Keying.IDENTITY),
+            "small sparse COO": (torch.eye(3).to_sparse(), Keying.VALUE),
+            "small sparse CSR": (csr, Keying.VALUE),
+            "large dense": (torch.full((10_000,), 2.0), Keying.IDENTITY),
+        }
+        for name, (t, expected) in cases.items():
+            with self.subTest(name):
+                self.assertEqual(tensor_keying(t), expected)
+                ident = hook_identity(inlineable(lambda x: x, lambda x, t=t: x * 2)[1])
+                (entry,) = _tensor_keys(ident.key)
+                self.assertIn(expected.value, entry)
+                self.assertEqual(any(p is t for p in ident.pins), expected is Keying.IDENTITY)
+                self.assertEqual(bool(ident.local), expected is Keying.IDENTITY)
+        # A tensor the graphs take as a runtime input: keyed by its metadata, not pinned.
+        large = torch.full((10_000,), 2.0)
+        ident = hook_identity(inlineable(lambda x: x, lambda x, t=large: x * t)[1], lift=True)
+        (entry,) = _tensor_keys(ident.key)
+        self.assertEqual(tensor_keying(large, frozenset({id(large)})), Keying.LIFTED)
+        self.assertEqual(entry[-1], Keying.LIFTED.value)
+        self.assertFalse(any(p is large for p in ident.pins))
 
 
 class TestNotKeyable(IdentityTestCase):

@@ -381,6 +381,12 @@ LARGE_REASONS = {
         "points it bounds) and the greedy that fits them are one unit: the greedy's constraints "
         "are the plan's timeline, so neither half can be checked without the other"
     ),
+    "add-hook_walk": (
+        "the walk is one recursive dispatch over every kind of value a hook reaches (code, "
+        "functions, modules, classes, instances, containers, tensors, GraphModules), each case "
+        "keying what it reads and recording how to re-check it in the walker's shared state: a "
+        "case left out makes the hooks that reach that kind unkeyable, not a smaller walk"
+    ),
     "add-graph_surgery": (
         "the pack insertion, the unpack insertion and the rewiring of the saved outputs are one "
         "rewrite of the graph pair: any one alone leaves graphs that do not run"

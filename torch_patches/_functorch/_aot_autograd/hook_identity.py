@@ -14,13 +14,11 @@ import types
 import weakref
 from typing import Any
 
-import torch
-
 from torch_patches import config
 from torch_patches.hooks.markers import is_inlineable_hook, pair_is_inlineable
 from torch_patches._functorch._aot_autograd.hook_inputs import find_inputs
 from torch_patches._functorch._aot_autograd.hook_watch import Watches
-from torch_patches._functorch._aot_autograd.hook_walk import HookIdentity, _Walker, digest, own_source_digest, value_keyed
+from torch_patches._functorch._aot_autograd.hook_walk import HookIdentity, _Walker, digest, own_source_digest
 
 
 # Attribute names found in each hook's reachable code, so the next walk of the same hook
@@ -120,12 +118,11 @@ def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
         _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
     except TypeError:
         pass
-    pins = tuple(p for p in walker.pins if isinstance(p, torch.Tensor) and not value_keyed(p))
     return HookIdentity(
         key=key,
         local=tuple(dict.fromkeys(walker.local)),
         unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
-        pins=pins,
+        pins=tuple(walker.identity_keyed),
     ), walker
 
 

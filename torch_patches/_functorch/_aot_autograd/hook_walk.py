@@ -16,10 +16,11 @@ the way its code reads the world and sorts every dependency into one of three ou
     recreated: the same key.
 (b) **process-local** (``HookIdentity.local`` says why): tensors keyed by value would cost
     too much per guard check (more than ``_TENSOR_VALUE_NUMEL`` elements, or not on the
-    CPU), so they are keyed by identity, version counter and metadata.  The identity holds
-    them (``pins``): whoever keeps the identity (the guard of a compiled frame) keeps them
-    alive, so their ``id()`` cannot be reused by another object while it is compared.  Such
-    hooks never key a cross-process cache (AOTAutogradCache bypasses, reason logged).
+    CPU, or a subclass), so they are keyed by identity, version counter and metadata.  The
+    identity holds them (``pins``): whoever keeps the identity (the guard of a compiled
+    frame) keeps them alive, so their ``id()`` cannot be reused by another object while it
+    is compared.  Such hooks never key a cross-process cache (AOTAutogradCache bypasses,
+    reason logged).  Which tensor is keyed how: :func:`tensor_keying`.
 (c) **not keyable** (``HookIdentity.unkeyable`` says why): objects whose state Python cannot
     see (C-extension objects without ``__dict__``, file handles), I/O, values nested too
     deep or too large to walk.  Such hooks are not inlined: the graph keeps eager hook
@@ -111,13 +112,24 @@ _REPR_ATOMS = (
 )
 
 
-def value_keyed(t: torch.Tensor) -> bool:
-    """Whether the walk keys ``t`` by its values: a plain CPU tensor, strided or sparse, of
-    at most ``_TENSOR_VALUE_NUMEL`` elements (a sparse tensor's: its indices' and values')."""
-    if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
-        return False
-    parts = tensor_parts(t)
-    return parts is not None and sum(p.numel() for p in parts) <= _TENSOR_VALUE_NUMEL
+class Keying(enum.Enum):
+    """How the walk keys a tensor a hook captures (outcomes (a) and (b) above)."""
+
+    LIFTED = "lifted"  # a runtime input of the graphs: by its metadata (Dynamo guards it)
+    VALUE = "value"  # a plain CPU tensor (strided or sparse) of few elements: by its bytes
+    IDENTITY = "identity"  # any other: by identity and version, pinned by the identity
+
+
+def tensor_keying(t: torch.Tensor, lifted: frozenset[int] = frozenset()) -> Keying:
+    """The one rule: how a captured tensor ``t`` is keyed (``lifted``: ``id()`` of the
+    tensors the graphs take as inputs).  The walker keys by it, the identity pins by it."""
+    if id(t) in lifted:
+        return Keying.LIFTED
+    if t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        parts = tensor_parts(t)
+        if parts is not None and sum(p.numel() for p in parts) <= _TENSOR_VALUE_NUMEL:
+            return Keying.VALUE
+    return Keying.IDENTITY
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,6 +185,7 @@ class _Walker:
         self.local: list[str] = []
         self.unkeyable: list[str] = []
         self.pins: list[Any] = []
+        self.identity_keyed: list[torch.Tensor] = []  # what the identity pins (tensor_keying)
         self.count = 0
         self.watches = Watches()  # how to re-check cheaply what the key was built from
         self.reentered = False  # the walk reached the hook it started from again
@@ -257,14 +270,14 @@ class _Walker:
         if is_fake(t):
             self.unkeyable.append("it captures a fake tensor (made while tracing), which has no value to run with")
             return meta
-        if id(t) in self.lifted:
-            # A runtime input of the graphs (``find_inputs``): its metadata is what the
-            # compiled graph depends on; Dynamo guards it at its source.
+        keying = tensor_keying(t, self.lifted)
+        if keying is Keying.LIFTED:
             self.watches.tensor(t, "meta")
             return meta + ("lifted",)
-        if value_keyed(t):
+        if keying is Keying.VALUE:
             self.watches.tensor(t, "bytes")
             return meta + ("value", hashlib.sha256(tensor_bytes(t)).hexdigest()[:24])
+        self.identity_keyed.append(t)
         self.watches.tensor(t, "version")
         self.local.append(
             f"captures a {str(t.dtype).replace('torch.', '')}{list(t.shape)} tensor on "
