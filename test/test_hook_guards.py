@@ -6,6 +6,7 @@ captured values: recreated identical hooks never recompile, a changed hook recom
 is the one used.
 """
 
+import collections
 import contextlib
 import types
 from unittest import mock
@@ -17,9 +18,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import identity_deps as deps
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd import hook_identity
+from torch_patches._functorch._aot_autograd import hook_identity, hook_inputs, hook_tracing, hook_walk
 from torch_patches._dynamo.output_graph import INPUT_LEAVES_SUBGRAPH
-from torch_patches.hooks import inlineable
+from torch_patches.hooks import bf16, cpu_offload, inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
 
@@ -351,8 +352,97 @@ class TestGuardIsALookup(TestCase):
                 self.assertEqual((counter.frame_count, walks), (3, []))
 
 
+# What TestPerCallPath's hooks read: a tensor the loop updates in place (lifted: a runtime
+# input of the graphs, fetched at every call) and an in-region scope's pair.
+LIFTED_SCALE = torch.tensor([2.0])
+SCOPE_HOOKS = bf16(where=None)
+
+
+def _lifted_pack(t):
+    return (t * LIFTED_SCALE).to(torch.bfloat16)
+
+
+def _lifted_unpack(t):
+    return t.to(torch.float32) / LIFTED_SCALE
+
+
+def _scoped_block(x):
+    with torch.autograd.graph.saved_tensors_hooks(*SCOPE_HOOKS):
+        x = x.sin().exp()
+    return x.cos()
+
+
+@contextlib.contextmanager
+def counting_compile_work():
+    """The compile-time work done inside the block: walks of a hook (``hook_walk``), searches
+    for the tensors a hook reads (``hook_inputs.find_inputs``) and traces of a hook
+    (``hook_tracing.trace_hook``), by kind."""
+    counts = collections.Counter()
+
+    def counted(kind, original):
+        def run(*args, **kwargs):
+            counts[kind] += 1
+            return original(*args, **kwargs)
+
+        return run
+
+    walker_init = hook_walk._Walker.__init__
+    find = counted("input searches", hook_inputs.find_inputs)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(hook_walk._Walker, "__init__", counted("walks", walker_init)))
+        stack.enter_context(mock.patch.object(hook_inputs, "find_inputs", find))
+        stack.enter_context(mock.patch.object(hook_identity, "find_inputs", find))
+        stack.enter_context(mock.patch.object(hook_tracing, "trace_hook", counted("traces", hook_tracing.trace_hook)))
+        yield counts
+
+
+class TestPerCallPath(TestCase):
+    """What runs at every call of a compiled graph whose hooks were inlined (the guards, the
+    lifted inputs' fetch, the in-region scopes' content checks, the runtime wrapper) does
+    lookups only: after compiling, a call walks no hook, searches no hook for the tensors it
+    reads and traces nothing (ARCHITECTURE.md, "What runs per compiled call")."""
+
+    STEPS = 4
+
+    def per_call(self, device, blocks, hooks=(), config=None):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = [torch.compile(b, backend=counter) for b in blocks]
+
+        def step():
+            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+                h = x
+                for block in compiled:
+                    h = block(h)
+            h.sum().backward()
+            LIFTED_SCALE.mul_(1.0)  # an in-place update, as a delayed scale's
+
+        with tp_config.patch(**(config or {})):
+            with counting_compile_work() as compiling:
+                step()
+            self.assertGreater(sum(compiling.values()), 0, "the counters saw no compile")
+            frames = counter.frame_count
+            with counting_compile_work() as per_call:
+                for _ in range(self.STEPS):
+                    step()
+        self.assertEqual(counter.frame_count, frames, "a steady-state call recompiled")
+        return dict(per_call)
+
+    def test_ambient_hooks_with_a_lifted_input(self, device):
+        hooks = inlineable(_lifted_pack, _lifted_unpack)
+        self.assertEqual(self.per_call(device, (_block_1, _block_2, _block_3), hooks), {})
+
+    def test_in_region_scope(self, device):
+        self.assertEqual(self.per_call(device, (_scoped_block, _block_2)), {})
+
+    def test_budget_and_offload(self, device):
+        self.assertEqual(self.per_call(device, (_block_1, _block_2), config={"activation_memory_budget": 0.5}), {})
+        self.assertEqual(self.per_call(device, (_block_1, _block_2), cpu_offload()), {})
+
+
 instantiate_device_type_tests(TestHookGuards, globals())
 instantiate_device_type_tests(TestGuardIsALookup, globals())
+instantiate_device_type_tests(TestPerCallPath, globals())
 
 
 if __name__ == "__main__":

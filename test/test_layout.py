@@ -35,6 +35,22 @@ ALLOWED_LOOPS = [
 ]
 COMPILER = ("torch_patches._dynamo", "torch_patches._functorch", "torch_patches._inductor")
 SIZE_LIMITED = ("torch_patches/bench", "torch_patches/_functorch/_aot_autograd/activation_budget")
+#: What runs at every compiled call (ARCHITECTURE.md, "What runs per compiled call"), in
+#: the modules that also hold compile-time code: in each, these functions sit in the section
+#: under the per-call banner (a line starting ``# ===`` and ending ``per compiled call``).
+PER_CALL = {
+    "torch_patches/_dynamo/guards.py": ("current_key", "_guard_check"),
+    "torch_patches/_functorch/_aot_autograd/hook_identity.py": (
+        "hook_identity", "config_key", "hooks_guard_key", "_content_check",
+    ),
+    "torch_patches/_functorch/_aot_autograd/hook_inputs.py": ("current_input", "resolve", "_alias_of"),
+    "torch_patches/_functorch/_aot_autograd/runtime_wrappers.py": (
+        "_per_call", "run_with_hooks_disabled", "run_under_hooks_contract", "_contract_hooks",
+    ),
+    "torch_patches/_functorch/_aot_autograd/utils.py": (
+        "top_saved_tensors_hooks", "ambient_saved_tensors_hooks", "_config_budget", "is_hookable_dtype",
+    ),
+}
 MAX_LINES = 600
 
 
@@ -210,6 +226,20 @@ class TestLayout(TestCase):
                 ) and not isinstance(node, ast.Try):
                     seen_code = True
         self.assertEqual(late, [])
+
+    def test_per_call_code_is_marked(self):
+        misplaced = []
+        for rel, names in PER_CALL.items():
+            with open(os.path.join(ROOT, rel)) as f:
+                text = f.read()
+            banner = next(
+                (i for i, line in enumerate(text.splitlines(), 1)
+                 if line.startswith("# ===") and line.rstrip().endswith("per compiled call")),
+                None,
+            )
+            defs = {n.name: n.lineno for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            misplaced += [f"{rel}:{n}" for n in names if banner is None or defs.get(n, 0) < banner]
+        self.assertEqual(misplaced, [])
 
     def test_budget_wing_and_bench_modules_stay_small(self):
         big = {}

@@ -26,12 +26,6 @@ def _current_state() -> tuple[Any, tuple[Any, ...]]:
     return hook_keys.hooks_guard_state(hook_utils.ambient_saved_tensors_hooks())
 
 
-def current_key() -> Any:
-    """What the guard compares at every compiled call: a lookup per hook (``hook_identity``
-    walks a hook object once, then re-checks what it read), not a walk."""
-    return hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
-
-
 def _guard_code(expected: Any) -> list[str]:
     return [f"torch_patches saved_tensors_hooks key == {hook_keys.describe_guard_key(expected)}"]
 
@@ -43,10 +37,29 @@ def AUTOGRAD_SAVED_TENSORS_HOOKS(self: Any, guard: Any) -> None:
     code = _guard_code(expected)
     self._set_guard_export_info(guard, code)
 
-    def check(_: object) -> bool:
-        return current_key() == expected
-
+    check = _guard_check(expected)
     check.pins = pins  # type: ignore[attr-defined]  # alive as long as the guard
     self.guard_manager.root.add_lambda_guard(
         check, get_verbose_code_parts(code, guard), guard.user_stack
     )
+
+
+# ===================================================================== per compiled call
+# What runs at every call of a compiled graph (ARCHITECTURE.md, "What runs per compiled
+# call"): lookups against what compiling recorded, never a walk, an input search or a trace
+# (test_hook_guards.TestPerCallPath counts them).
+
+
+def current_key() -> Any:
+    """What the guard compares at every compiled call: a lookup per hook (``hook_identity``
+    walks a hook object once, then re-checks what it read), not a walk."""
+    return hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
+
+
+def _guard_check(expected: Any) -> Any:
+    """The guard's lambda: the ambient hooks' key now against the one compiled for."""
+
+    def check(_: object) -> bool:
+        return current_key() == expected
+
+    return check

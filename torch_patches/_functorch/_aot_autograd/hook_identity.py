@@ -6,6 +6,11 @@ graphs (``hook_inputs``) keyed by their metadata.  From it: the guard state and 
 content check Dynamo installs for the hooks active around a compiled call
 (:func:`hooks_guard_state`, :func:`hook_content_check`), the compile-cache key of a pair
 (:func:`hooks_cache_key`) and a hook's own ``cache_hash`` (:func:`hook_cache_hash`).
+
+The walk and the keys built from it run while compiling; the last section is what the
+guards ask at every compiled call: :func:`hook_identity` is a lookup and its watches
+(``hook_watch``) once a hook object was walked, :func:`config_key` a lookup against the
+config's hash object, :func:`hooks_guard_key` the two with them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,135 @@ _attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
 #: ambient hooks), none (``False``), or those at the given paths from it (an in-region scope's
 #: hooks: the tensors Dynamo could make inputs at the hook's source).
 Lift = bool | frozenset[tuple["Step", ...]]
+
+
+# ------------------------------------------------------------------------- the walk
+# Once per hook object, and again after one of its watches failed (while compiling).
+
+
+def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
+    """The walk itself, with the walker whose watches re-check it (None: not cacheable)."""
+    hint = _attr_hints.get(id(fn))
+    attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
+    lifted = frozenset(
+        id(t.tensor) for t in find_inputs(fn, "pack")[0] if lift is True or t.path in lift
+    ) if lift else frozenset()
+    while True:
+        walker = _Walker(attrs, lifted)
+        try:
+            key = walker.value(fn)
+        except Exception as e:  # noqa: BLE001 - an object that resists inspection
+            # Conservative: what cannot be walked cannot be keyed (outcome (c)).
+            return HookIdentity(
+                key=("unwalkable", type(e).__name__),
+                unkeyable=(f"reading what it depends on raised {type(e).__name__}: {e}",),
+            ), None
+        if walker.names <= attrs:
+            break
+        attrs = attrs | walker.names  # a module may hold attributes later code names
+    try:
+        _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
+    except TypeError:
+        pass
+    return HookIdentity(
+        key=key,
+        local=tuple(dict.fromkeys(walker.local)),
+        unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
+        pins=tuple(walker.identity_keyed),
+    ), walker
+
+
+def _watch_containers(watches: Watches, value: Any) -> None:
+    if isinstance(value, dict):
+        watches.dict(value)
+        for v in value.values():
+            _watch_containers(watches, v)
+    elif isinstance(value, (list, set)):
+        (watches.sequence if isinstance(value, list) else watches.set)(value)
+        for v in value:
+            _watch_containers(watches, v)
+
+
+# ------------------------------------------------------------------- pair keys
+# The keys of a hook pair, built from the walk: the Dynamo guard's (hooks_guard_state), the
+# compile caches' (hooks_cache_key), and the checks behind both.
+
+
+def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
+    """(digest, reasons): a digest of one hook valid across processes.
+
+    None, with the reasons, when part of the hook is keyed by identity (process-local) or
+    cannot be keyed at all: compile caches must then bypass, never guess.
+    """
+    ident = hook_identity(fn)
+    reasons = list(ident.local + ident.unkeyable)
+    return (None, reasons) if reasons else (ident.digest, [])
+
+
+def hooks_cache_key(
+    pack: Any, unpack: Any, lift: Lift | tuple[Lift, Lift] = False
+) -> tuple[str | None, list[str]]:
+    """The compile-cache key of a hook pair with the torch_patches config: one function
+    for ambient hooks and in-region scopes alike (``lift``: which tensors they read are
+    graph inputs, keyed by metadata; one :data:`Lift` for both hooks, or one each). None
+    (with reasons) where it is not valid across processes."""
+    lifts = lift if isinstance(lift, tuple) else (lift, lift)
+    idents = (hook_identity(pack, lifts[0]), hook_identity(unpack, lifts[1]))
+    reasons = [r for i in idents for r in i.local + i.unkeyable]
+    if reasons:
+        return None, list(dict.fromkeys(reasons))
+    # Our own source is part of the key: an entry written by another torch_patches is never
+    # served (it may have inlined differently).
+    return digest((idents[0].key, idents[1].key, config_key(), own_source_digest())), []
+
+
+def unkeyable_reasons(hooks: Any) -> list[str]:
+    """Why a pair of inlineable hooks cannot be inlined soundly (empty: it can)."""
+    return list(dict.fromkeys(r for fn in hooks for r in hook_identity(fn).unkeyable))
+
+
+def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(key, pins): what the saved-tensors-hooks guard compares, and what it must keep alive.
+
+    The key is None without hooks and for hooks that run as Python hooks at runtime (not
+    inlineable, or not keyable): the compiled graph does not depend on them, so entering
+    or leaving such hooks does not recompile. For inlined hooks it is ("inline", pack key,
+    unpack key, config): every dependency of what the graphs compute. The pins are the
+    objects keyed by identity (large tensors): holding them keeps their ids unique.
+    """
+    key = hooks_guard_key(hooks)
+    if key is None:
+        return None, ()
+    return key, hook_identity(hooks[0], lift=True).pins + hook_identity(hooks[1], lift=True).pins
+
+
+def hook_content_check(fn: Any, lift: Lift = False) -> tuple[str, Any]:
+    """(digest, check) of one hook entered in a compiled region: ``check(value)`` holds
+    while ``value`` is an inlineable hook with every dependency of ``fn`` and the
+    torch_patches config is unchanged (a knob changes what the inliner does with the hook).
+    The tensors at the ``lift`` paths are graph inputs: their metadata is compared, and
+    Dynamo's guard on the input checks it again. ``check.pins`` keeps the objects keyed by
+    identity alive as long as the check."""
+    expected = hook_identity(fn, lift)
+    check = _content_check(expected, config_key(), lift)
+    check.pins = expected.pins  # type: ignore[attr-defined]
+    return expected.digest, check
+
+
+def describe_guard_key(key: Any) -> str:
+    """A short name for a guard key in guard listings: None, or the key's digest."""
+    return "None" if key is None else f"inline hooks {digest(key)}"
+
+
+def content_key(fn: Any) -> Any:
+    """The identity key of one hook (process-local; for purity checks)."""
+    return hook_identity(fn).key
+
+
+# ===================================================================== per compiled call
+# What runs at every call of a compiled graph (ARCHITECTURE.md, "What runs per compiled
+# call"): lookups against what compiling recorded, never a walk, an input search or a trace
+# (test_hook_guards.TestPerCallPath counts them).
 
 
 class _Known:
@@ -94,38 +228,6 @@ def _immortal(fn: Any) -> bool:
     return isinstance(fn, types.FunctionType) and fn.__globals__.get(fn.__name__) is fn
 
 
-def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
-    """The walk itself, with the walker whose watches re-check it (None: not cacheable)."""
-    hint = _attr_hints.get(id(fn))
-    attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
-    lifted = frozenset(
-        id(t.tensor) for t in find_inputs(fn, "pack")[0] if lift is True or t.path in lift
-    ) if lift else frozenset()
-    while True:
-        walker = _Walker(attrs, lifted)
-        try:
-            key = walker.value(fn)
-        except Exception as e:  # noqa: BLE001 - an object that resists inspection
-            # Conservative: what cannot be walked cannot be keyed (outcome (c)).
-            return HookIdentity(
-                key=("unwalkable", type(e).__name__),
-                unkeyable=(f"reading what it depends on raised {type(e).__name__}: {e}",),
-            ), None
-        if walker.names <= attrs:
-            break
-        attrs = attrs | walker.names  # a module may hold attributes later code names
-    try:
-        _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
-    except TypeError:
-        pass
-    return HookIdentity(
-        key=key,
-        local=tuple(dict.fromkeys(walker.local)),
-        unkeyable=tuple(dict.fromkeys(walker.unkeyable)),
-        pins=tuple(walker.identity_keyed),
-    ), walker
-
-
 def config_key() -> Any:
     """Every ``torch_patches.config`` knob, as upstream's ``save_config`` would snapshot it.
 
@@ -151,96 +253,6 @@ def config_key() -> Any:
 _config_memo: list[Any] = []
 
 
-def _watch_containers(watches: Watches, value: Any) -> None:
-    if isinstance(value, dict):
-        watches.dict(value)
-        for v in value.values():
-            _watch_containers(watches, v)
-    elif isinstance(value, (list, set)):
-        (watches.sequence if isinstance(value, list) else watches.set)(value)
-        for v in value:
-            _watch_containers(watches, v)
-
-
-# ------------------------------------------------------------------- pair keys
-# The keys of a hook pair, built from the walk above: the Dynamo guard's
-# (hooks_guard_state), the compile caches' (hooks_cache_key), and the checks behind both.
-
-
-def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
-    """(digest, reasons): a digest of one hook valid across processes.
-
-    None, with the reasons, when part of the hook is keyed by identity (process-local) or
-    cannot be keyed at all: compile caches must then bypass, never guess.
-    """
-    ident = hook_identity(fn)
-    reasons = list(ident.local + ident.unkeyable)
-    return (None, reasons) if reasons else (ident.digest, [])
-
-
-def hooks_cache_key(
-    pack: Any, unpack: Any, lift: Lift | tuple[Lift, Lift] = False
-) -> tuple[str | None, list[str]]:
-    """The compile-cache key of a hook pair with the torch_patches config: one function
-    for ambient hooks and in-region scopes alike (``lift``: which tensors they read are
-    graph inputs, keyed by metadata; one :data:`Lift` for both hooks, or one each). None
-    (with reasons) where it is not valid across processes."""
-    lifts = lift if isinstance(lift, tuple) else (lift, lift)
-    idents = (hook_identity(pack, lifts[0]), hook_identity(unpack, lifts[1]))
-    reasons = [r for i in idents for r in i.local + i.unkeyable]
-    if reasons:
-        return None, list(dict.fromkeys(reasons))
-    # Our own source is part of the key: an entry written by another torch_patches is never
-    # served (it may have inlined differently).
-    return digest((idents[0].key, idents[1].key, config_key(), own_source_digest())), []
-
-
-def unkeyable_reasons(hooks: Any) -> list[str]:
-    """Why a pair of inlineable hooks cannot be inlined soundly (empty: it can)."""
-    return list(dict.fromkeys(r for fn in hooks for r in hook_identity(fn).unkeyable))
-
-
-def hooks_guard_state(hooks: Any) -> tuple[Any, tuple[Any, ...]]:
-    """(key, pins): what the saved-tensors-hooks guard compares, and what it must keep alive.
-
-    The key is None without hooks and for hooks that run as Python hooks at runtime (not
-    inlineable, or not keyable): the compiled graph does not depend on them, so entering
-    or leaving such hooks does not recompile. For inlined hooks it is ("inline", pack key,
-    unpack key, config): every dependency of what the graphs compute. The pins are the
-    objects keyed by identity (large tensors): holding them keeps their ids unique.
-    """
-    key = hooks_guard_key(hooks)
-    if key is None:
-        return None, ()
-    return key, hook_identity(hooks[0], lift=True).pins + hook_identity(hooks[1], lift=True).pins
-
-
-def hook_content_check(fn: Any, lift: Lift = False) -> tuple[str, Any]:
-    """(digest, check) of one hook entered in a compiled region: ``check(value)`` holds
-    while ``value`` is an inlineable hook with every dependency of ``fn`` and the
-    torch_patches config is unchanged (a knob changes what the inliner does with the hook).
-    The tensors at the ``lift`` paths are graph inputs: their metadata is compared, and
-    Dynamo's guard on the input checks it again. ``check.pins`` keeps the objects keyed by
-    identity alive as long as the check."""
-    expected = hook_identity(fn, lift)
-    expected_config = config_key()
-
-    def check(value: Any) -> bool:
-        return (
-            is_inlineable_hook(value)
-            and hook_identity(value, lift).same_as(expected)
-            and config_key() == expected_config
-        )
-
-    check.pins = expected.pins  # type: ignore[attr-defined]
-    return expected.digest, check
-
-
-def describe_guard_key(key: Any) -> str:
-    """A short name for a guard key in guard listings: None, or the key's digest."""
-    return "None" if key is None else f"inline hooks {digest(key)}"
-
-
 def hooks_guard_key(hooks: Any) -> Any:
     """The key of :func:`hooks_guard_state` (what the guard compares at every call)."""
     if not hooks or not pair_is_inlineable(hooks):
@@ -252,6 +264,15 @@ def hooks_guard_key(hooks: Any) -> Any:
     return ("inline", pack.key, unpack.key, config_key())
 
 
-def content_key(fn: Any) -> Any:
-    """The identity key of one hook (process-local; for purity checks)."""
-    return hook_identity(fn).key
+def _content_check(expected: HookIdentity, expected_config: Any, lift: Lift) -> Any:
+    """An in-region hook's content check (:func:`hook_content_check`): Dynamo runs it on the
+    hook at its source at every call."""
+
+    def check(value: Any) -> bool:
+        return (
+            is_inlineable_hook(value)
+            and hook_identity(value, lift).same_as(expected)
+            and config_key() == expected_config
+        )
+
+    return check

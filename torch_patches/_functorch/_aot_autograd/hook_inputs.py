@@ -205,6 +205,12 @@ def find_inputs(fn: Any, role: str) -> tuple[list[LiftedTensor], list[str]]:
     return lifted, refused
 
 
+# ===================================================================== per compiled call
+# What runs at every call of a compiled graph (ARCHITECTURE.md, "What runs per compiled
+# call"): lookups against what compiling recorded, never a walk, an input search or a trace
+# (test_hook_guards.TestPerCallPath counts them).
+
+
 def resolve(fn: Any, path: tuple[Step, ...]) -> Any:
     """Follow ``path`` from ``fn`` now; LookupError when it no longer leads anywhere."""
     v = fn

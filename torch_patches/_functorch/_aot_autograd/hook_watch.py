@@ -1,5 +1,8 @@
 """Cheap re-verification of what a hook's walk read: the per-call half of hook identity.
 
+:meth:`Watches.holds` and the checks it runs (the functions above the class) run at every
+compiled call; the recording methods run while a hook is walked.
+
 Walking a hook (``hook_walk``) is compile-time work: it follows closures, globals,
 defaults, module attributes and object state recursively.  The walk's result must then be
 re-checked at every compiled call (the frame's guard) and wherever a key is asked for
@@ -205,6 +208,7 @@ class Watches:
         self._seen: set[tuple[int, int]] = set()
 
     def holds(self) -> bool:
+        """Per compiled call (the guards, through ``hook_identity``): every check, no walk."""
         if self.dicts and list(map(_dict_version, self.dicts)) != self.versions:  # type: ignore[arg-type]
             return False
         for check, obj, expected in self.checks:

@@ -44,7 +44,122 @@ def _should_disable_saved_tensors_hooks() -> bool:
     return False
 
 
-# -------------------------------------------------------------------- python hooks
+def _runtime_context() -> Callable[..., Any] | None:
+    """How a compiled graph runs (a function taking the call), decided when its wrapper is
+    created; None: as upstream's wrapper does."""
+    if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
+        return None
+    hooks = hook_utils.ambient_saved_tensors_hooks()
+    inlined = compile_facts.inlined(hook_keys.hooks_guard_key(hooks))
+    if hooks is None:
+        # Compiled without hooks: its guard also admits Python hooks (they do not change
+        # the graph), which then run under the contract.
+        return run_under_hooks_contract
+    if inlined is None:
+        # No inlining attempt in this compilation (a cache hit): keyable inlineable hooks
+        # were inlined, since graphs whose hooks fell back to eager are never cached.
+        inlined = hook_keys.hooks_guard_key(hooks) is not None
+    return run_with_hooks_disabled if inlined else run_under_hooks_contract
+
+
+def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap upstream's ``_create_runtime_wrapper`` with the per-graph hook context."""
+
+    @functools.wraps(original)
+    def _create_runtime_wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime_wrapper = original(*args, **kwargs)
+        if not kwargs.get("trace_joint", False):
+            return runtime_wrapper
+        records.keep_with(kwargs["runtime_metadata"])
+        run = _runtime_context()
+        if run is None:
+            return runtime_wrapper
+        return _per_call(runtime_wrapper, run, offload_prefetch.prefetching(kwargs["runtime_metadata"]))
+
+    return _create_runtime_wrapper
+
+
+# ===================================================================== per compiled call
+# What runs at every call of a compiled graph (ARCHITECTURE.md, "What runs per compiled
+# call"): lookups against what compiling recorded, never a walk, an input search or a trace
+# (test_hook_guards.TestPerCallPath counts them).
+
+
+def _per_call(runtime_wrapper: Callable[..., Any], run: Callable[..., Any], link: Any) -> Callable[..., Any]:
+    """The compiled graph's runtime wrapper in ``run``'s context (a lookup and the call);
+    with ``link``, its backward also starts the next graph's reloads."""
+    if link is not None:
+
+        @functools.wraps(runtime_wrapper)
+        def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
+            out = run(runtime_wrapper, *a, **kw)
+            link(out)
+            return out
+
+        return _runtime_wrapper
+
+    @functools.wraps(runtime_wrapper)
+    def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
+        return run(runtime_wrapper, *a, **kw)
+
+    return _runtime_wrapper
+
+
+def run_with_hooks_disabled(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one compiled call of a graph whose hooks were inlined: the Python hooks are
+    disabled while it runs (upstream's context)."""
+    with _upstream_runtime_wrappers._disable_saved_tensors_hooks():
+        return run(*args, **kwargs)
+
+
+def run_under_hooks_contract(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one compiled call with the ambient Python hooks (if any) under the hook contract.
+
+    Every call of a graph compiled without hooks comes here: with no hooks active it is one
+    lookup and the call itself."""
+    hooks = hook_utils.top_saved_tensors_hooks()
+    if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return run(*args, **kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):
+        return run(*args, **kwargs)
+
+
+def _contract_hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    validate = config.validate_unpack
+
+    def contract_pack(t: torch.Tensor) -> Any:
+        if not hook_utils.is_hookable_dtype(t.dtype):
+            return _Unhooked(t)
+        return _Hooked(_run_as_eager(pack, t), t)
+
+    def contract_unpack(p: Any) -> torch.Tensor:
+        if isinstance(p, _Unhooked):
+            return p.tensor
+        out = unpack(p.packed)
+        if validate:
+            got = (
+                (out.dtype, out.shape, out.device)
+                if isinstance(out, torch.Tensor)
+                else None
+            )
+            if got != (p.dtype, p.shape, p.device):
+                hook = hook_utils.hook_name(unpack)
+                expected = hook_utils.describe_tensor(p.dtype, p.shape, p.device)
+                found = hook_utils.describe_tensor(*got) if got else type(out).__name__
+                raise SavedTensorsHookError(
+                    f"unpack hook {hook} returned {found} for a saved tensor of "
+                    f"{expected} (hooks run by a compiled graph must give back the "
+                    "saved tensor's dtype, shape and device)",
+                    hook=hook,
+                    reason=f"expected {expected}, got {found}",
+                )
+        if isinstance(out, torch.Tensor) and out.shape == p.shape:
+            out = _restride(out, p.stride)
+        return out
+
+    return contract_pack, contract_unpack
 
 
 class _Unhooked:
@@ -92,110 +207,3 @@ def _run_as_eager(hook: Callable[[Any], Any], arg: Any) -> Any:
         with _python_dispatch._pop_mode_temporarily():
             return hook(arg)
     return hook(arg)
-
-
-def _contract_hooks(
-    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
-) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-    validate = config.validate_unpack
-
-    def contract_pack(t: torch.Tensor) -> Any:
-        if not hook_utils.is_hookable_dtype(t.dtype):
-            return _Unhooked(t)
-        return _Hooked(_run_as_eager(pack, t), t)
-
-    def contract_unpack(p: Any) -> torch.Tensor:
-        if isinstance(p, _Unhooked):
-            return p.tensor
-        out = unpack(p.packed)
-        if validate:
-            got = (
-                (out.dtype, out.shape, out.device)
-                if isinstance(out, torch.Tensor)
-                else None
-            )
-            if got != (p.dtype, p.shape, p.device):
-                hook = hook_utils.hook_name(unpack)
-                expected = hook_utils.describe_tensor(p.dtype, p.shape, p.device)
-                found = hook_utils.describe_tensor(*got) if got else type(out).__name__
-                raise SavedTensorsHookError(
-                    f"unpack hook {hook} returned {found} for a saved tensor of "
-                    f"{expected} (hooks run by a compiled graph must give back the "
-                    "saved tensor's dtype, shape and device)",
-                    hook=hook,
-                    reason=f"expected {expected}, got {found}",
-                )
-        if isinstance(out, torch.Tensor) and out.shape == p.shape:
-            out = _restride(out, p.stride)
-        return out
-
-    return contract_pack, contract_unpack
-
-
-def run_under_hooks_contract(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run one compiled call with the ambient Python hooks (if any) under the hook contract.
-
-    Every call of a graph compiled without hooks comes here: with no hooks active it is one
-    lookup and the call itself."""
-    hooks = hook_utils.top_saved_tensors_hooks()
-    if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        return run(*args, **kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):
-        return run(*args, **kwargs)
-
-
-def run_with_hooks_disabled(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run one compiled call of a graph whose hooks were inlined: the Python hooks are
-    disabled while it runs (upstream's context)."""
-    with _upstream_runtime_wrappers._disable_saved_tensors_hooks():
-        return run(*args, **kwargs)
-
-
-def _runtime_context() -> Callable[..., Any] | None:
-    """How a compiled graph runs (a function taking the call), decided when its wrapper is
-    created; None: as upstream's wrapper does."""
-    if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
-        return None
-    hooks = hook_utils.ambient_saved_tensors_hooks()
-    inlined = compile_facts.inlined(hook_keys.hooks_guard_key(hooks))
-    if hooks is None:
-        # Compiled without hooks: its guard also admits Python hooks (they do not change
-        # the graph), which then run under the contract.
-        return run_under_hooks_contract
-    if inlined is None:
-        # No inlining attempt in this compilation (a cache hit): keyable inlineable hooks
-        # were inlined, since graphs whose hooks fell back to eager are never cached.
-        inlined = hook_keys.hooks_guard_key(hooks) is not None
-    return run_with_hooks_disabled if inlined else run_under_hooks_contract
-
-
-def make_create_runtime_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap upstream's ``_create_runtime_wrapper`` with the per-graph hook context."""
-
-    @functools.wraps(original)
-    def _create_runtime_wrapper(*args: Any, **kwargs: Any) -> Any:
-        runtime_wrapper = original(*args, **kwargs)
-        if not kwargs.get("trace_joint", False):
-            return runtime_wrapper
-        records.keep_with(kwargs["runtime_metadata"])
-        run = _runtime_context()
-        if run is None:
-            return runtime_wrapper
-        link = offload_prefetch.prefetching(kwargs["runtime_metadata"])
-        if link is not None:  # its backward starts the next graph's reloads
-
-            @functools.wraps(runtime_wrapper)
-            def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
-                out = run(runtime_wrapper, *a, **kw)
-                link(out)
-                return out
-
-            return _runtime_wrapper
-
-        @functools.wraps(runtime_wrapper)
-        def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
-            return run(runtime_wrapper, *a, **kw)
-
-        return _runtime_wrapper
-
-    return _create_runtime_wrapper

@@ -21,70 +21,9 @@ from torch_patches import config
 from torch_patches.hooks.markers import budget_pair, budget_spec, pair_is_inlineable
 
 
-def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The innermost saved-tensors hooks pair active right now, or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True)
-
-
-def ambient_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The hooks compiled graphs plan with around the compiled call: the innermost pair
-    active right now, else the ``torch_patches.config.activation_memory_budget`` pair
-    (``torch_patches.hooks.budget``), else None.
-
-    The budget pair stands for the config knob everywhere ambient hooks are read (the
-    frame's guard, the cache-key subgraphs, the inliner, the runtime wrapper), so a budget
-    set in config is keyed exactly as the same pair entered by hand.
-    """
-    hooks = top_saved_tensors_hooks()
-    if hooks is not None:
-        return hooks
-    budget = _config_budget()
-    if budget is None:
-        return None
-    try:
-        return _config_budget_pair(budget)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"torch_patches.config.activation_memory_budget: {e}") from None
-
-
-_budget_memo: list[Any] = [None, None]
-
-
-def _config_budget() -> Any:
-    """``config.activation_memory_budget``, read at every compiled call (the guard): read
-    again only when a knob was set (the config module's hash object is then a new one;
-    a config module's attribute read costs several of these)."""
-    h = config.get_hash()
-    if _budget_memo[0] is not h:
-        _budget_memo[:] = [h, config.activation_memory_budget]
-    return _budget_memo[1]
-
-
-@functools.lru_cache(maxsize=16, typed=True)
-def _config_budget_pair(memory: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    # Asked at every compiled call (the guard): one lookup per value of the knob.
-    return budget_pair(budget_spec(memory))
-
-
 def saved_tensors_hooks_are_inlineable(hooks: Any) -> bool:
     """Replacement for upstream's predicate: GraphModules or marked functions, both."""
     return pair_is_inlineable(hooks)
-
-
-def is_hookable_dtype(dtype: torch.dtype) -> bool:
-    """Whether user hooks see saved tensors of ``dtype`` (``config.hooked_saved_tensor_dtypes``).
-
-    "float" (default): floating point and complex only; masks and indices the partitioner
-    saves are kept as they are. "all": every dtype, as eager autograd would pass them.
-    """
-    policy = config.hooked_saved_tensor_dtypes
-    if policy == "all":
-        return True
-    if policy != "float":
-        raise ValueError(
-            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
-        )
-    return dtype.is_floating_point or dtype.is_complex
 
 
 def describe_tensor(dtype: torch.dtype, shape: Any, device: torch.device) -> str:
@@ -135,3 +74,70 @@ def hook_name(fn: Any) -> str:
     module = getattr(fn, "__module__", None) or "?"
     qual = getattr(fn, "__qualname__", None) or type(fn).__name__
     return f"{module}.{qual}"
+
+
+# ===================================================================== per compiled call
+# What runs at every call of a compiled graph (ARCHITECTURE.md, "What runs per compiled
+# call"): lookups against what compiling recorded, never a walk, an input search or a trace
+# (test_hook_guards.TestPerCallPath counts them).
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost saved-tensors hooks pair active right now, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def ambient_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The hooks compiled graphs plan with around the compiled call: the innermost pair
+    active right now, else the ``torch_patches.config.activation_memory_budget`` pair
+    (``torch_patches.hooks.budget``), else None.
+
+    The budget pair stands for the config knob everywhere ambient hooks are read (the
+    frame's guard, the cache-key subgraphs, the inliner, the runtime wrapper), so a budget
+    set in config is keyed exactly as the same pair entered by hand.
+    """
+    hooks = top_saved_tensors_hooks()
+    if hooks is not None:
+        return hooks
+    budget = _config_budget()
+    if budget is None:
+        return None
+    try:
+        return _config_budget_pair(budget)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"torch_patches.config.activation_memory_budget: {e}") from None
+
+
+_budget_memo: list[Any] = [None, None]
+
+
+def _config_budget() -> Any:
+    """``config.activation_memory_budget``, read at every compiled call (the guard): read
+    again only when a knob was set (the config module's hash object is then a new one;
+    a config module's attribute read costs several of these)."""
+    h = config.get_hash()
+    if _budget_memo[0] is not h:
+        _budget_memo[:] = [h, config.activation_memory_budget]
+    return _budget_memo[1]
+
+
+@functools.lru_cache(maxsize=16, typed=True)
+def _config_budget_pair(memory: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    # Asked at every compiled call (the guard): one lookup per value of the knob.
+    return budget_pair(budget_spec(memory))
+
+
+def is_hookable_dtype(dtype: torch.dtype) -> bool:
+    """Whether user hooks see saved tensors of ``dtype`` (``config.hooked_saved_tensor_dtypes``).
+
+    "float" (default): floating point and complex only; masks and indices the partitioner
+    saves are kept as they are. "all": every dtype, as eager autograd would pass them.
+    """
+    policy = config.hooked_saved_tensor_dtypes
+    if policy == "all":
+        return True
+    if policy != "float":
+        raise ValueError(
+            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
+        )
+    return dtype.is_floating_point or dtype.is_complex
