@@ -20,6 +20,7 @@ The records are what the compilation reports (the debug log,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -263,6 +264,30 @@ def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node
     return out
 
 
+@dataclasses.dataclass
+class _GraphPair:
+    """The forward and backward graphs being inlined, with what every phase reads of them."""
+
+    fw_module: fx.GraphModule
+    bw_module: fx.GraphModule
+    num_inner_fwd_outputs: int
+    inner_meta: Any
+    aot_config: Any
+    static_input_indices: list[int]
+    held: set[fx.Node]  # forward inputs the caller keeps alive (``activation_inputs``)
+
+    def __post_init__(self) -> None:
+        fw_outs = list(self.fw_module.graph.output_node().args[0])
+        self.saved_tensors = [
+            n
+            for n in fw_outs[self.num_inner_fwd_outputs :]
+            if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+        ]
+        self.bw_inputs = {n.name: n for n in self.bw_module.graph.find_nodes(op="placeholder")}
+        self.sources = getattr(self.aot_config, "aot_autograd_arg_pos_to_source", None)
+        self.artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+
+
 def inline(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
@@ -277,54 +302,70 @@ def inline(
     the records.  ``ambient``: the pair active around the compiled call (None: only in-graph
     scopes); ``held``: forward inputs the caller keeps alive (``activation_inputs``).  Every
     hook is traced before either graph changes: a :class:`SavedTensorsHookError` leaves them
-    as they were (the driver decides whether to fall back)."""
-    fw_g, bw_g = fw_module.graph, bw_module.graph
-    fw_out = fw_g.output_node()
-    fw_outs = list(fw_out.args[0])
-    saved_all = fw_outs[num_inner_fwd_outputs:]
-    bw_inputs = {n.name: n for n in bw_g.find_nodes(op="placeholder")}
+    as they were (the driver decides whether to fall back).
 
-    saved_tensors = [
-        n
-        for n in saved_all
-        if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
-    ]
+    The phases: :func:`_collect` (a record per saved tensor), :func:`_decide` (filter,
+    select, alias, plan: each record's decision), :func:`_trace` (every hook traced) and
+    :func:`_rewrite` (the packs and unpacks placed, both graphs rewired)."""
+    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held)
+    compiled = _collect(graphs, ambient)
+    if compiled is None:
+        return
+    candidates = [r for r in compiled.records if r.pair is not None]
+    recomputed, aliases = _decide(graphs, candidates, compiled)
+    plans = _trace(graphs, candidates)
+    if plans or recomputed:
+        _rewrite(graphs, plans, candidates, recomputed, aliases)
+    records.log_records(compiled, graphs.artifact)
+    records.publish(compiled)
+    if plans or recomputed:
+        _log_inlined(graphs)
+
+
+def _collect(graphs: _GraphPair, ambient: HookPair | None) -> records.CompiledSavedTensors | None:
+    """Phase collect: one record per saved tensor, with its scope's hooks (None: no saved
+    tensor has hooks; the records were published for an observer, if any)."""
+    bw_g = graphs.bw_module.graph
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
-    fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
+    fw_order = {n: i for i, n in enumerate(graphs.fw_module.graph.nodes)}
     lengths = {"fw_len": len(fw_order), "bw_len": len(bw_order)}
-    sources = getattr(aot_config, "aot_autograd_arg_pos_to_source", None)
-    scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in saved_tensors]
+    bw_inputs, sources = graphs.bw_inputs, graphs.sources
+    scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
     if all(pair is None for _, pair in scoped):
         if records.observed():  # a report: what a graph without hooks saves
             records.publish(records.CompiledSavedTensors(
                 [records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
-                 for n in saved_tensors],
+                 for n in graphs.saved_tensors],
                 stock_pareto=stock_pareto(), **lengths,
             ))
-        return
-    facts = _backward_facts(fw_module, bw_module, held)
+        return None
+    facts = _backward_facts(graphs.fw_module, graphs.bw_module, graphs.held)
     all_records = [
         records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
         for n, pair in scoped
     ]
-    compiled = records.CompiledSavedTensors(all_records, stock_pareto=stock_pareto(), **lengths)
-    candidates = [r for r in all_records if r.pair is not None]
+    return records.CompiledSavedTensors(all_records, stock_pareto=stock_pareto(), **lengths)
+
+
+def _decide(
+    graphs: _GraphPair, candidates: list[records.SavedTensorRecord], compiled: records.CompiledSavedTensors
+) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node]]:
+    """Phases filter, select, alias and plan: each candidate's decision (a pair that cannot
+    be keyed raises first, before any decision).  Returns the
+    tensors the budget recomputes (their recipes) and the aliases packed with their root."""
+    fw_module, saved_tensors = graphs.fw_module, graphs.saved_tensors
     allowed = _filtered_by_mode(
-        fw_module, bw_module, saved_tensors, num_inner_fwd_outputs, static_input_indices
+        fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices
     )
     inputs = act_inputs.activation_inputs(
-        fw_module, inner_meta, static_input_indices, num_inner_fwd_outputs
+        fw_module, graphs.inner_meta, graphs.static_input_indices, graphs.num_inner_fwd_outputs
     )
     if allowed is not None:  # "donated": also the activations packing frees (see module)
         allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
-    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-
     for pair in dict.fromkeys(r.pair for r in candidates):
         hook_tracing.check_keyable(pair)
-
-    # Phase 1: decide and trace every hook. Nothing is modified until all of them traced.
     budgeted = any(r.pair.kind.budget is not None for r in candidates)
-    output_aliases = _output_aliases(fw_module, bw_module, saved_tensors, num_inner_fwd_outputs) if allowed is not None and budgeted else set()
+    output_aliases = _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs) if allowed is not None and budgeted else set()
     _filter(candidates, allowed, inputs, output_aliases)
     _select(candidates)
     # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
@@ -333,19 +374,26 @@ def inline(
     recomputed, compiled.plans = activation_budget.apply_plans(
         candidates,
         activation_budget.GraphFacts(
-            fw_g, bw_g, bw_inputs, inputs, held, saved_tensors, {r.node: r for r in candidates},
+            fw_module.graph, graphs.bw_module.graph, graphs.bw_inputs, inputs, graphs.held, saved_tensors,
+            {r.node: r for r in candidates},
             tuple(
-                records.input_source_name(ph, sources) or ph.name
-                for ph in act_inputs.autograd_inputs(fw_module, inner_meta, static_input_indices)
+                records.input_source_name(ph, graphs.sources) or ph.name
+                for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
             ),
         ),
     )
     if allowed is not None:
         _drop_partially_hooked(candidates, saved_tensors, inputs)
-    aliases = _settle_aliases(candidates)
+    return recomputed, _settle_aliases(candidates)
+
+
+def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> list[graph_surgery.SavedPlan]:
+    """Phase trace: every hooked tensor's pack and unpack traced (nothing modified yet),
+    checked against the saved tensor, and planned for the rewrite."""
+    bw_g = graphs.bw_module.graph
     # Tensors the hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py for
     # the ambient hooks, _dynamo/region_scopes.py for in-region scopes), by pair label.
-    lifted = _hook_inputs(fw_module, inner_meta, [r.chosen for r in candidates if r.hooked])
+    lifted = _hook_inputs(graphs.fw_module, graphs.inner_meta, [r.chosen for r in candidates if r.hooked])
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
@@ -360,7 +408,7 @@ def inline(
         else:
             context = hook_tracing.HookContext(_fw_graph=saved.graph, _bw_graph=bw_g, _node=saved)
             pack, unpack = hook_tracing.trace_pair(
-                pair, val, aot_config=aot_config, saved=saved, context=context, inputs=lifted.get(pair.label, ((), ()))[0]
+                pair, val, aot_config=graphs.aot_config, saved=saved, context=context, inputs=lifted.get(pair.label, ((), ()))[0]
             )
             if not context.read:  # the traces do not depend on which saved tensor this is
                 traces[key] = (pack, unpack)
@@ -377,19 +425,28 @@ def inline(
     # The host tensors the backward reloads (cpu_offload): their graph's backward node starts
     # them ahead, from the graph autograd runs before it (offload_prefetch).
     reloads = [n.args[0] for p in plans for n in graph_surgery.reload_starts(p.unpack.gm)]
-    offload_prefetch.mark(inner_meta, len(reloads), sum(map(hook_utils.nbytes_of, reloads)))
-    if not plans and not recomputed:
-        records.log_records(compiled, artifact)
-        records.publish(compiled)
-        return
+    offload_prefetch.mark(graphs.inner_meta, len(reloads), sum(map(hook_utils.nbytes_of, reloads)))
+    return plans
 
-    # Phase 2: rewrite the graphs.
+
+def _rewrite(
+    graphs: _GraphPair,
+    plans: list[graph_surgery.SavedPlan],
+    candidates: list[records.SavedTensorRecord],
+    recomputed: dict[fx.Node, Any],
+    aliases: dict[fx.Node, fx.Node],
+) -> None:
+    """Phase rewrite: each pack after its tensor's last forward use, each unpack (or
+    recomputation) before its first backward use, and the saved outputs and backward inputs
+    rewired in AOTAutograd's calling convention."""
+    fw_module, bw_module, bw_inputs = graphs.fw_module, graphs.bw_module, graphs.bw_inputs
+    fw_g, bw_g = fw_module.graph, bw_module.graph
     placement = config.hook_placement
     if placement not in ("use", "boundary"):
         raise ValueError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
     structured: list[str] = []
-    _log_graphs(fw_module, bw_module, aot_config, "pre", structured)
-    graph_surgery.merge_aliases(fw_module, bw_inputs, num_inner_fwd_outputs, aliases)
+    _log_graphs(fw_module, bw_module, graphs.aot_config, "pre", structured)
+    graph_surgery.merge_aliases(fw_module, bw_inputs, graphs.num_inner_fwd_outputs, aliases)
     fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
     packed_leaves: dict[fx.Node, list[Any]] = {}
@@ -427,18 +484,19 @@ def inline(
             read_back.append(fw_node)
         else:
             bw_g.erase_node(bw_node)
-    graph_surgery.rewire_saved(fw_module, bw_module, num_inner_fwd_outputs, packed_leaves, bw_input_of, read_back)
+    graph_surgery.rewire_saved(fw_module, bw_module, graphs.num_inner_fwd_outputs, packed_leaves, bw_input_of, read_back)
     graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
     fw_g.lint()
     bw_g.lint()
     fw_module.recompile()
     bw_module.recompile()
-    _log_graphs(fw_module, bw_module, aot_config, "post", structured)
-    records.log_records(compiled, artifact)
-    records.publish(compiled)
-    if artifact.isEnabledFor(logging.DEBUG):
-        artifact.debug("forward graph with inlined hooks:\n%s", fw_module.print_readable(False))
-        artifact.debug("backward graph with inlined hooks:\n%s", bw_module.print_readable(False))
+    _log_graphs(fw_module, bw_module, graphs.aot_config, "post", structured)
+
+
+def _log_inlined(graphs: _GraphPair) -> None:
+    if graphs.artifact.isEnabledFor(logging.DEBUG):
+        graphs.artifact.debug("forward graph with inlined hooks:\n%s", graphs.fw_module.print_readable(False))
+        graphs.artifact.debug("backward graph with inlined hooks:\n%s", graphs.bw_module.print_readable(False))
 
 
 def _hook_inputs(
