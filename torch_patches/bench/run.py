@@ -6,6 +6,7 @@ of them in turn (:func:`run_all`). What each mode and column means: :mod:`torch_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -160,9 +161,6 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
 
 def run_case(case: Case) -> dict[str, Any]:
     """Measure one case in this process."""
-    import contextlib
-    import gc
-
     import torch
     import torch._dynamo.testing
 
@@ -179,15 +177,7 @@ def run_case(case: Case) -> dict[str, Any]:
         x.requires_grad_(True)
     scaled = DelayedScale(case.device) if case.hook == "bf16_scaled" and case.mode not in ("no-hooks", "stock-budget") else None
     hooks = scaled.hooks(case) if scaled is not None else make_hooks(case)
-    configs = contextlib.ExitStack()
-    if case.backend == "inductor":
-        import torch._inductor.config as inductor_config
-
-        configs.enter_context(inductor_config.patch(reorder_for_peak_memory=case.reorder_for_peak_memory))
-    if case.mode == "stock-budget":
-        import torch._functorch.config as functorch_config
-
-        configs.enter_context(functorch_config.patch(activation_memory_budget=case.budget))
+    configs = _configs(case)
     counter = torch._dynamo.testing.CompileCounterWithBackend(case.backend)
     fn = torch.compile(model, backend=counter) if case.backend != "eager" else model
     state = (*model.parameters(), *model.buffers(), x)
@@ -214,51 +204,10 @@ def run_case(case: Case) -> dict[str, Any]:
         return saved
 
     cuda = case.device.startswith("cuda")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     with configs:
-        t0 = time.perf_counter()
-        with recording_decisions() as decisions:
-            step()
-        sync()
-        compile_s = time.perf_counter() - t0
-        saved = step(measure_saved=True)
-        sync()
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            base = _proc_status("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        step()
-        sync()
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - base
-        else:
-            peak = _proc_status("VmHWM") - base
-        times = []
-        for _ in range(case.steps):
-            t = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - t)
+        decisions, compile_s, saved, peak, times = _measure(step, cuda, case.steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    budget_row = {}
-    if case.mode == "budget":
-        block_ws = block_working_set(model, x, blocks_of(model, case))
-        budget_row = {
-            "plan_graphs": decisions.plan_graphs,
-            "plan_saved_bytes": decisions.saved,
-            "plan_budget_bytes": decisions.budget,
-            "block_ws_bytes": block_ws,
-            "floor_bytes": peak - (grad_bytes + decisions.planned + block_ws) if decisions.plan_graphs else None,
-        }
+    budget_row = _budget_row(case, model, x, decisions, peak, grad_bytes) if case.mode == "budget" else {}
     return {
         "case": dataclasses.asdict(case),
         "label": case.label,
@@ -277,6 +226,74 @@ def run_case(case: Case) -> dict[str, Any]:
         **budget_row,
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+
+
+def _configs(case: Case) -> contextlib.ExitStack:
+    """The configs a case runs under (entered by the caller)."""
+    configs = contextlib.ExitStack()
+    if case.backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        configs.enter_context(inductor_config.patch(reorder_for_peak_memory=case.reorder_for_peak_memory))
+    if case.mode == "stock-budget":
+        import torch._functorch.config as functorch_config
+
+        configs.enter_context(functorch_config.patch(activation_memory_budget=case.budget))
+    return configs
+
+
+def _measure(step: Callable[..., int | None], cuda: bool, steps: int) -> tuple[Any, float, int | None, int, list[float]]:
+    """Run a case's steps: (the inliner's decisions while compiling, compile seconds, bytes
+    held for backward, peak bytes of one step, each timed step's seconds)."""
+    import gc
+
+    import torch
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    with recording_decisions() as decisions:
+        step()
+    sync()
+    compile_s = time.perf_counter() - t0
+    saved = step(measure_saved=True)
+    sync()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _proc_status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    step()
+    sync()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _proc_status("VmHWM") - base
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    return decisions, compile_s, saved, peak, times
+
+
+def _budget_row(case: Case, model: Any, x: Any, decisions: Any, peak: int, grad_bytes: int) -> dict[str, Any]:
+    """A budget case's plan beside what it measured (the floor: what the plan cannot lower)."""
+    block_ws = block_working_set(model, x, blocks_of(model, case))
+    return {
+        "plan_graphs": decisions.plan_graphs,
+        "plan_saved_bytes": decisions.saved,
+        "plan_budget_bytes": decisions.budget,
+        "block_ws_bytes": block_ws,
+        "floor_bytes": peak - (grad_bytes + decisions.planned + block_ws) if decisions.plan_graphs else None,
     }
 
 
