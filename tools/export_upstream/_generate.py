@@ -741,8 +741,9 @@ def unified_diff(rel: str, before: str, after: str) -> str:
 # -------------------------------------------------------------------- the job
 
 
-class _Job:
-    """Generation of one patch against the current state."""
+class _Placement:
+    """Where each definition of ours goes upstream (``place``), and the queue of those one
+    job emits (``drain``), with what each emitted definition needs (``edges``)."""
 
     def __init__(
         self,
@@ -793,172 +794,6 @@ class _Job:
             if parent in self.ex.new_modules and not self.state.texts.get(self.ex.new_modules[parent]):
                 self.file(parent)  # a new package is created with its first module
         return self.work[module]
-
-    # --------------------------------------------------------------- driver
-
-    def run(self) -> None:
-        self._ctx = _ROOT
-        target_file = self.file(self.t_module)
-        src = target_file.src
-        owner_path, attr = self.t_path[:-1], self.t_path[-1]
-        body = src.tree.body
-        owners: list[ast.ClassDef] = []
-        for part in owner_path:
-            cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == part), None)
-            if cls is None:
-                raise ExportError(f"class {'.'.join(owner_path)} not found in {self.ex.upstream_rel(self.t_module)}")
-            owners.append(cls)
-            body = cls.body
-        t_node = next(
-            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == attr),
-            None,
-        )
-        if t_node is None:
-            raise ExportError(
-                f"target {self.patch.target} is not defined in {self.ex.upstream_rel(self.t_module)} "
-                "(no such function or method)"
-            )
-        self._check_fingerprint()
-        r_src = self.ex.tp_source(self.r_module)
-        r_bind = r_src.bindings.get(self.r_attr)
-        if r_bind is None or r_bind.kind != "def":
-            raise ExportError(f"replacement {self.patch.replacement} is not a function defined in {self.r_module}")
-        r_node = r_bind.stmt
-        assert isinstance(r_node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        first, last = src.stmt_lines(t_node, comments=False)
-        indent = re.match(r"[ \t]*", src.lines[t_node.lineno - 1]).group(0)  # type: ignore[union-attr]
-        upstream_decorators = "".join(src.lines[first - 1 : t_node.lineno - 1])
-        qual_owner = ".".join(owner_path)
-        if not self.patch.wraps:
-            self.state.placed[(self.r_module, self.r_attr)] = (
-                self.t_module,
-                f"{qual_owner}.{attr}" if owner_path else attr,
-            )
-            text = self.emit(r_src, r_node, self.t_module, rename_def=attr, comments=False)
-            text = reindent(text, 0, indent)
-            new = upstream_decorators + text
-        else:
-            new = self._wrapper(src, t_node, r_src, r_node, indent, owner_path, attr, upstream_decorators)
-        target_file.replace = (first, last, new)
-        self.drain()
-
-    def _check_fingerprint(self) -> None:
-        from tools.fingerprints import from_source_tree
-
-        try:
-            fp = from_source_tree(self.ex.root, (self.patch.target, *self.patch.depends_on))
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            self.notes.append(f"could not fingerprint the upstream code: {e}")
-            return
-        if fp not in self.patch.fingerprints.values():
-            self.notes.append(
-                f"upstream code drifted from what the patch was written against (fingerprint {fp} "
-                "is not recorded): re-read the upstream change before submitting"
-            )
-
-    def _wrapper(
-        self,
-        src: Source,
-        t_node: ast.FunctionDef | ast.AsyncFunctionDef,
-        r_src: Source,
-        factory: ast.FunctionDef | ast.AsyncFunctionDef,
-        indent: str,
-        owner_path: list[str],
-        attr: str,
-        upstream_decorators: str,
-    ) -> str:
-        body = list(factory.body)
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]
-        params = [a.arg for a in factory.args.posonlyargs + factory.args.args]
-        if (
-            len(body) != 2
-            or not isinstance(body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
-            or not isinstance(body[1], ast.Return)
-            or not isinstance(body[1].value, ast.Name)
-            or body[1].value.id != body[0].name
-            or len(params) != 1
-            or factory.args.vararg
-            or factory.args.kwarg
-            or factory.args.kwonlyargs
-        ):
-            raise ExportError(
-                f"wrapper factory {self.patch.replacement} is not a simple wrapper (a docstring, "
-                "one nested function taking the original by closure, and `return` of it); write "
-                "the upstream form by hand or simplify the factory"
-            )
-        inner = body[0]
-        param = params[0]
-        # The original stays, renamed; the wrapper takes the target's name.
-        scope_names = {
-            n.name for n in (self._scope_body(src, owner_path)) if hasattr(n, "name")
-        } | (set(src.bindings) if not owner_path else set())
-        impl = f"_{attr.lstrip('_')}_impl"
-        while impl in scope_names:
-            impl += "_"
-        kinds = [self._decorator_kind(d) for d in t_node.decorator_list]
-        if "classmethod" in kinds:
-            original_ref = f"{'.'.join(owner_path)}.{impl}.__func__"
-        elif owner_path:
-            original_ref = f"{'.'.join(owner_path)}.{impl}"
-        else:
-            original_ref = impl
-        renamed_original = apply_edits(
-            src,
-            *src.line_range_bytes(*src.stmt_lines(t_node, comments=False)),
-            [def_name_edit(src, t_node, impl)],
-        )
-        # The nested function, with the factory's parameter replaced by the original.
-        drop = [d for d in inner.decorator_list if self._is_wraps_of(d, param)]
-        text = self.emit(
-            r_src,
-            inner,
-            self.t_module,
-            rename_def=attr,
-            comments=False,
-            enclosing=factory,
-            enclosing_names={param: original_ref},
-            drop_decorators=drop,
-        )
-        text = reindent(text, inner.col_offset, indent)
-        descriptor = "".join(
-            f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod")
-        )
-        others = [
-            src.segment(d) or "?"
-            for d, k in zip(t_node.decorator_list, kinds)
-            if k not in ("staticmethod", "classmethod")
-        ]
-        if others:
-            self.notes.append(
-                f"decorators {', '.join('@' + o for o in others)} stay on {impl} only; check "
-                "whether the wrapper needs them"
-            )
-        sep = "\n" if owner_path else "\n\n"
-        return renamed_original + sep + descriptor + text
-
-    @staticmethod
-    def _scope_body(src: Source, owner_path: list[str]) -> list[ast.stmt]:
-        body = src.tree.body
-        for part in owner_path:
-            body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == part).body
-        return body
-
-    @staticmethod
-    def _decorator_kind(d: ast.expr) -> str:
-        if isinstance(d, ast.Name):
-            return d.id
-        if isinstance(d, ast.Attribute):
-            return d.attr
-        return "call"
-
-    @staticmethod
-    def _is_wraps_of(d: ast.expr, param: str) -> bool:
-        if not isinstance(d, ast.Call) or not d.args:
-            return False
-        f = d.func
-        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-        return name == "wraps" and isinstance(d.args[0], ast.Name) and d.args[0].id == param
 
     # --------------------------------------------------------- dependencies
 
@@ -1072,6 +907,11 @@ class _Job:
             i += 1
         fw.bound.add(name)
         return name
+
+
+class _Emission(_Placement):
+    """Our statements' text, rewritten to live in an upstream module: names resolved to
+    where the stack put them, imports added where they are needed."""
 
     # ------------------------------------------------------------- emission
 
@@ -1340,6 +1180,16 @@ class _Job:
         indent = " " * imp.col_offset
         return ("\n" + indent).join(lines)
 
+
+class _Rendering:
+    """The upstream files as one job leaves them (whole, or only the additions a new
+    module's ``Add`` commit brings); a part of :class:`_Job`, over its files' work and what
+    its definitions reach (:meth:`_Placement.reach`)."""
+
+    work: dict[str, _FileWork]
+    ex: Exporter
+    reach: Callable[[Iterable[tuple[str, str]]], set[tuple[str, str]]]
+
     # --------------------------------------------------------------- render
 
     def render(self) -> dict[str, str]:
@@ -1449,6 +1299,177 @@ class _Job:
         ):
             idx -= 1
         return src.stmt_lines(body[idx])[0] - 1
+
+
+class _Job(_Emission, _Rendering):
+    """Generation of one patch against the current state: the replacement put in place of
+    the target (whole, or as a wrapper of the original), then what it needs."""
+
+    # --------------------------------------------------------------- driver
+
+    def run(self) -> None:
+        self._ctx = _ROOT
+        target_file = self.file(self.t_module)
+        src = target_file.src
+        owner_path, attr = self.t_path[:-1], self.t_path[-1]
+        body = src.tree.body
+        owners: list[ast.ClassDef] = []
+        for part in owner_path:
+            cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == part), None)
+            if cls is None:
+                raise ExportError(f"class {'.'.join(owner_path)} not found in {self.ex.upstream_rel(self.t_module)}")
+            owners.append(cls)
+            body = cls.body
+        t_node = next(
+            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == attr),
+            None,
+        )
+        if t_node is None:
+            raise ExportError(
+                f"target {self.patch.target} is not defined in {self.ex.upstream_rel(self.t_module)} "
+                "(no such function or method)"
+            )
+        self._check_fingerprint()
+        r_src = self.ex.tp_source(self.r_module)
+        r_bind = r_src.bindings.get(self.r_attr)
+        if r_bind is None or r_bind.kind != "def":
+            raise ExportError(f"replacement {self.patch.replacement} is not a function defined in {self.r_module}")
+        r_node = r_bind.stmt
+        assert isinstance(r_node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        first, last = src.stmt_lines(t_node, comments=False)
+        indent = re.match(r"[ \t]*", src.lines[t_node.lineno - 1]).group(0)  # type: ignore[union-attr]
+        upstream_decorators = "".join(src.lines[first - 1 : t_node.lineno - 1])
+        qual_owner = ".".join(owner_path)
+        if not self.patch.wraps:
+            self.state.placed[(self.r_module, self.r_attr)] = (
+                self.t_module,
+                f"{qual_owner}.{attr}" if owner_path else attr,
+            )
+            text = self.emit(r_src, r_node, self.t_module, rename_def=attr, comments=False)
+            text = reindent(text, 0, indent)
+            new = upstream_decorators + text
+        else:
+            new = self._wrapper(src, t_node, r_src, r_node, indent, owner_path, attr, upstream_decorators)
+        target_file.replace = (first, last, new)
+        self.drain()
+
+    def _check_fingerprint(self) -> None:
+        from tools.fingerprints import from_source_tree
+
+        try:
+            fp = from_source_tree(self.ex.root, (self.patch.target, *self.patch.depends_on))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            self.notes.append(f"could not fingerprint the upstream code: {e}")
+            return
+        if fp not in self.patch.fingerprints.values():
+            self.notes.append(
+                f"upstream code drifted from what the patch was written against (fingerprint {fp} "
+                "is not recorded): re-read the upstream change before submitting"
+            )
+
+    def _wrapper(
+        self,
+        src: Source,
+        t_node: ast.FunctionDef | ast.AsyncFunctionDef,
+        r_src: Source,
+        factory: ast.FunctionDef | ast.AsyncFunctionDef,
+        indent: str,
+        owner_path: list[str],
+        attr: str,
+        upstream_decorators: str,
+    ) -> str:
+        body = list(factory.body)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        params = [a.arg for a in factory.args.posonlyargs + factory.args.args]
+        if (
+            len(body) != 2
+            or not isinstance(body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+            or not isinstance(body[1], ast.Return)
+            or not isinstance(body[1].value, ast.Name)
+            or body[1].value.id != body[0].name
+            or len(params) != 1
+            or factory.args.vararg
+            or factory.args.kwarg
+            or factory.args.kwonlyargs
+        ):
+            raise ExportError(
+                f"wrapper factory {self.patch.replacement} is not a simple wrapper (a docstring, "
+                "one nested function taking the original by closure, and `return` of it); write "
+                "the upstream form by hand or simplify the factory"
+            )
+        inner = body[0]
+        param = params[0]
+        # The original stays, renamed; the wrapper takes the target's name.
+        scope_names = {
+            n.name for n in (self._scope_body(src, owner_path)) if hasattr(n, "name")
+        } | (set(src.bindings) if not owner_path else set())
+        impl = f"_{attr.lstrip('_')}_impl"
+        while impl in scope_names:
+            impl += "_"
+        kinds = [self._decorator_kind(d) for d in t_node.decorator_list]
+        if "classmethod" in kinds:
+            original_ref = f"{'.'.join(owner_path)}.{impl}.__func__"
+        elif owner_path:
+            original_ref = f"{'.'.join(owner_path)}.{impl}"
+        else:
+            original_ref = impl
+        renamed_original = apply_edits(
+            src,
+            *src.line_range_bytes(*src.stmt_lines(t_node, comments=False)),
+            [def_name_edit(src, t_node, impl)],
+        )
+        # The nested function, with the factory's parameter replaced by the original.
+        drop = [d for d in inner.decorator_list if self._is_wraps_of(d, param)]
+        text = self.emit(
+            r_src,
+            inner,
+            self.t_module,
+            rename_def=attr,
+            comments=False,
+            enclosing=factory,
+            enclosing_names={param: original_ref},
+            drop_decorators=drop,
+        )
+        text = reindent(text, inner.col_offset, indent)
+        descriptor = "".join(
+            f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod")
+        )
+        others = [
+            src.segment(d) or "?"
+            for d, k in zip(t_node.decorator_list, kinds)
+            if k not in ("staticmethod", "classmethod")
+        ]
+        if others:
+            self.notes.append(
+                f"decorators {', '.join('@' + o for o in others)} stay on {impl} only; check "
+                "whether the wrapper needs them"
+            )
+        sep = "\n" if owner_path else "\n\n"
+        return renamed_original + sep + descriptor + text
+
+    @staticmethod
+    def _scope_body(src: Source, owner_path: list[str]) -> list[ast.stmt]:
+        body = src.tree.body
+        for part in owner_path:
+            body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == part).body
+        return body
+
+    @staticmethod
+    def _decorator_kind(d: ast.expr) -> str:
+        if isinstance(d, ast.Name):
+            return d.id
+        if isinstance(d, ast.Attribute):
+            return d.attr
+        return "call"
+
+    @staticmethod
+    def _is_wraps_of(d: ast.expr, param: str) -> bool:
+        if not isinstance(d, ast.Call) or not d.args:
+            return False
+        f = d.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        return name == "wraps" and isinstance(d.args[0], ast.Name) and d.args[0].id == param
 
 
 def _string_constant(src: Source, name: str) -> str | None:
