@@ -1,13 +1,16 @@
 """The package's structure, as ARCHITECTURE.md states it.
 
-* No import loop between modules of ``torch_patches`` and ``tools`` (imports at module top
-  and inside functions alike) except the manifest/mechanism pairs: the registry and its
-  patch list, the export tool's package and its halves.
+* At most one import loop between modules of ``torch_patches`` and ``tools`` (imports at
+  module top and inside functions alike): the export tool's two halves.
 * The hooks library (``torch_patches/hooks``) imports nothing of the compiler
   (``torch_patches/_dynamo``, ``_functorch``, ``_inductor``): the line between them is
-  one-way, through the bottom modules (``markers``, ``numerics``, ``config``).
+  one-way (the compiler imports the library's markers and numerics allowlist).
 * Imports sit at the top of each module (no import after code at module level).
-* The budget wing and the bench keep each module under 600 lines.
+* Modules sit where they go upstream: at most 8 at the package root.
+* Units a reader can hold: no function over 100 lines, no class over 400, in
+  ``torch_patches`` and ``tools``; the budget wing and the bench keep each module under 600
+  lines.
+* What runs at every compiled call sits in marked sections (``PER_CALL``).
 * What the base install runs (``import torch_patches``, ``apply()``, the command line and
   every module it imports) imports no package that only an extra of setup.py provides.
 * No binary archive (wheel, tarball, zip...) is tracked.
@@ -28,11 +31,14 @@ from torch_patches.testing import TestCase
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("torch_patches", "tools")
-#: Loops allowed: a manifest and the mechanism that reads it.
+#: The one loop allowed: the export tool's two halves (the generator and the writer).
 ALLOWED_LOOPS = [
-    {"torch_patches._registry", "torch_patches._registry.patches"},
     {"tools.export_upstream._generate", "tools.export_upstream._write"},
 ]
+#: Modules at the package root (the rest sit where they go upstream, or in packages).
+MAX_ROOT_MODULES = 8
+MAX_FUNCTION_LINES = 100
+MAX_CLASS_LINES = 400
 COMPILER = ("torch_patches._dynamo", "torch_patches._functorch", "torch_patches._inductor")
 SIZE_LIMITED = ("torch_patches/bench", "torch_patches/_functorch/_aot_autograd/activation_budget")
 #: What runs at every compiled call (ARCHITECTURE.md, "What runs per compiled call"), in
@@ -226,6 +232,23 @@ class TestLayout(TestCase):
                 ) and not isinstance(node, ast.Try):
                     seen_code = True
         self.assertEqual(late, [])
+
+    def test_few_modules_at_the_package_root(self):
+        root = sorted(f for f in os.listdir(os.path.join(ROOT, "torch_patches")) if f.endswith(".py"))
+        self.assertLessEqual(len(root), MAX_ROOT_MODULES, root)
+
+    def test_units_a_reader_can_hold(self):
+        long = []
+        for name, path in _modules().items():
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > limit:
+                        long.append(f"{name}.{node.name}: {lines} lines (at most {limit})")
+        self.assertEqual(long, [])
 
     def test_per_call_code_is_marked(self):
         misplaced = []
