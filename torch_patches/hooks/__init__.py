@@ -32,9 +32,9 @@ from torch_patches.hooks.markers import SavedTensorInfo
 from torch_patches.hooks._inlineable import inlineable, is_inlineable
 from torch_patches.hooks.budget import budget
 from torch_patches.hooks.cache import cache_hash
-from torch_patches.hooks.compress import HookPair, bf16, chain, fp8_rowwise, int8_rowwise
+from torch_patches.hooks.compress import bf16, chain, fp8_rowwise, int8_rowwise
 from torch_patches.hooks.offload import cpu_offload
-from torch_patches.hooks.select import numerics_safe, select, tolerate
+from torch_patches.hooks.select import HookPair, numerics_safe, select, tolerate
 
 
 __all__ = [

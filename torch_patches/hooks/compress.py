@@ -40,6 +40,7 @@ from torch_patches.hooks.select import (
     BF16,
     FP8,
     INT8,
+    HookPair,
     SavedTensorInfo,
     numerics_safe,
     select,
@@ -48,10 +49,8 @@ from torch_patches.hooks.select import (
 )
 
 
-__all__ = ["HookPair", "bf16", "chain", "fp8_rowwise", "int8_rowwise"]
+__all__ = ["bf16", "chain", "fp8_rowwise", "int8_rowwise"]
 
-#: A ``(pack, unpack)`` pair as ``torch.autograd.graph.saved_tensors_hooks`` takes it.
-HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 #: A ``where=`` predicate (:func:`torch_patches.hooks.select`); None: every saved tensor.
 Where = Callable[[SavedTensorInfo], bool] | None
 

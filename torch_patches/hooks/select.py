@@ -40,7 +40,7 @@ from torch_patches.hooks._inlineable import inlineable, is_inlineable
 
 
 __all__ = [
-    "BF16", "EXACT", "FP8", "INT8", "OTHERWISE_ATTR", "SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select",
+    "BF16", "EXACT", "FP8", "INT8", "HookPair", "OTHERWISE_ATTR", "SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select",
     "select_otherwise", "tolerate", "unwrap_select",
 ]
 
@@ -62,6 +62,8 @@ class _Otherwise:
         self.packed = packed
 
 
+#: A ``(pack, unpack)`` pair as ``torch.autograd.graph.saved_tensors_hooks`` takes it (the
+#: library's pairs; the compiler's ``hook_tracing.HookPair`` is such a pair with its scope).
 HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 

@@ -48,7 +48,8 @@ _CONSTANT_TYPES = (
 
 @dataclasses.dataclass(frozen=True)
 class HookPair:
-    """The hooks that apply to a group of saved tensors."""
+    """The hooks that apply to a group of saved tensors: a pair (the library's ``HookPair``)
+    with the scope it was entered in."""
 
     pack: Callable[..., Any]
     unpack: Callable[..., Any]
