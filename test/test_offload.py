@@ -448,7 +448,7 @@ class GraphModule(torch.nn.Module):
 
 @unittest.skipIf(not HAS_CUDA, "no CUDA device")
 class TestOffloadCUDA(TestCase):
-    """The stream path (measured on an H100: benchmarks/README.md, "GPU check")."""
+    """The stream path (measured on an H100: benchmarks/results/gpu-check.md)."""
 
     def test_offload_is_pinned_and_async(self) -> None:
         x = torch.randn(1024, 1024, device="cuda")

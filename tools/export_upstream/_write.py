@@ -406,9 +406,10 @@ LARGE_REASONS = {
 
 
 #: What each commit that changes behaviour does, measured (``python -m torch_patches bench``,
-#: tables in benchmarks/README.md), and what could go wrong with it: the two lines a reviewer
+#: tables in benchmarks/README.md and a page per topic in benchmarks/results/), and what could go wrong with it: the two lines a reviewer
 #: weighs it by.  A commit adding a module changes nothing until the commit that uses it.
 _BENCH = "benchmarks/README.md"
+_RESULTS = "benchmarks/results"
 EFFECTS = {
     "aot.saved_tensors_hooks_are_inlineable": (
         "plain Python functions marked `inlineable` are traced into the graphs like GraphModule "
@@ -426,7 +427,7 @@ EFFECTS = {
     ),
     "dynamo.lift_saved_tensors_hook_inputs": (
         "a delayed scale updated in place every step compiles once over 50 updates, where it "
-        f"recompiled per update; `bf16_scaled` row: 1.6 ms/step vs eager hooks 3.3 ms (CPU, {_BENCH})"
+        f"recompiled per update; `bf16_scaled` row: 1.6 ms/step vs eager hooks 3.3 ms (CPU, {_RESULTS}/bf16-scaled.md)"
     ),
     "dynamo.saved_tensors_hooks_in_region": (
         "`with saved_tensors_hooks(...)` inside a compiled function is traced (fullgraph=True works) "
@@ -441,7 +442,7 @@ EFFECTS = {
     ),
     "aot.budget_exact_recompute_first": (
         "`budget(F)` peaks at 0.39x (Llama, F=0.3) where stock `activation_memory_budget` gives "
-        f"0.79x, at 1.06x vs 1.19x step time (CPU, {_BENCH}, budget against stock)"
+        f"0.79x, at 1.06x vs 1.19x step time (CPU, {_RESULTS}/convergence.md, budget against stock)"
     ),
     "aot.runtime_hooks_not_disabled_by_type": (
         "graphs that inlined their hooks and graphs that did not coexist in one step (a graph "
@@ -466,7 +467,7 @@ EFFECTS = {
     "inductor.offload_order_kept": (
         "none until a graph holds the offload ops; then `reorder_for_peak_memory` keeps its order "
         "(it plans, and logs only the baseline's estimate); on an H100 the inlined `cpu_offload()` "
-        f"peak went from 1.00x to 0.55x of no hooks at 1.05x step time ({_BENCH}, GPU check)"
+        f"peak went from 1.00x to 0.55x of no hooks at 1.05x step time ({_RESULTS}/gpu-check.md)"
     ),
     "inductor.fx_graph_cache_keys_offload_code": (
         "none upstream, where the offload ops' lowering and order are torch's source and "

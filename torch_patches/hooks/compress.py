@@ -234,7 +234,7 @@ def fp8_rowwise(
     :func:`bf16` with its own allowlist default: the coefficients of activation gradients,
     q/k/v, norm inputs, derivatives of activations, where fp8's error costs training
     quality), another pair (``int8_rowwise()``), or ``None`` (keep them as they are).
-    See ``benchmarks/README.md``, "Convergence", for what each costs.
+    See ``benchmarks/results/convergence.md`` for what each costs.
     """
     _check_block_size(block_size, "fp8_rowwise")
     if dtype not in _FP8_DTYPES:

@@ -19,7 +19,7 @@ casts, and what the backward recomputes from the tensor) an entry only says that
 carries the error on in proportion.  An argument with no entry, of an op with no entry,
 keeps the tensor exact: a new fused kernel is exact until somebody says otherwise.
 
-**Built-in levels, from training** (``benchmarks/README.md``, "Convergence"): where the
+**Built-in levels, from training** (``benchmarks/results/convergence.md``): where the
 error meets a gradient in a matmul whose result is a parameter's gradient (``x^T @ dy``: the
 error of ``x`` averages over the tokens the product sums), it tolerates ``"fp8"``; everywhere
 else the error is a coefficient of the gradient that flows on to every earlier layer
