@@ -176,6 +176,21 @@ def _block_3(x):
     return x.sin().exp().cos()
 
 
+def run_blocks(blocks, hooks, device, n=4):
+    """``n`` training steps through the compiled ``blocks`` under ``hooks``: each step's
+    gradient of the input."""
+    grads = []
+    for _ in range(n):
+        x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+            h = x
+            for block in blocks:
+                h = block(h)
+        h.sum().backward()
+        grads.append(x.grad)
+    return grads
+
+
 @contextlib.contextmanager
 def counting_walks():
     """How many times hook identities were walked (not looked up) inside the block."""
@@ -200,16 +215,7 @@ class TestGuardIsALookup(TestCase):
         return counter, [torch.compile(f, backend=counter) for f in (_block_1, _block_2, _block_3)]
 
     def steps(self, blocks, hooks, device, n=4):
-        grads = []
-        for _ in range(n):
-            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
-            with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
-                h = x
-                for block in blocks:
-                    h = block(h)
-            h.sum().backward()
-            grads.append(x.grad)
-        return grads
+        return run_blocks(blocks, hooks, device, n)
 
     def reference(self, hooks, device):
         torch._dynamo.reset()
@@ -409,12 +415,7 @@ class TestPerCallPath(TestCase):
         compiled = [torch.compile(b, backend=counter) for b in blocks]
 
         def step():
-            x = torch.linspace(-1, 1, 32, device=device).view(4, 8).requires_grad_()
-            with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
-                h = x
-                for block in compiled:
-                    h = block(h)
-            h.sum().backward()
+            run_blocks(compiled, hooks, device, n=1)
             LIFTED_SCALE.mul_(1.0)  # an in-place update, as a delayed scale's
 
         with tp_config.patch(**(config or {})):
