@@ -393,11 +393,9 @@ def counting_compile_work():
         return run
 
     walker_init = hook_walk._Walker.__init__
-    find = counted("input searches", hook_inputs.find_inputs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(hook_walk._Walker, "__init__", counted("walks", walker_init)))
-        stack.enter_context(mock.patch.object(hook_inputs, "find_inputs", find))
-        stack.enter_context(mock.patch.object(hook_identity, "find_inputs", find))
+        stack.enter_context(mock.patch.object(hook_inputs, "find_inputs", counted("input searches", hook_inputs.find_inputs)))
         stack.enter_context(mock.patch.object(hook_tracing, "trace_hook", counted("traces", hook_tracing.trace_hook)))
         yield counts
 

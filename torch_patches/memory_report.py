@@ -153,11 +153,15 @@ class MemoryReport:
             lines.append("")
             lines.append("budget plans, per graph:")
         for k, p in plans:
-            met = "met" if p.met else f"not met (floor {_size(p.floor_bytes or 0)})"
+            share = (lambda n: f" ({n / p.baseline_bytes:.2f})") if p.baseline_bytes else (lambda n: "")
+            met = "met" if p.met else f"not met (floor {_size(p.floor_bytes or 0)}{share(p.floor_bytes or 0)})"
             lines.append(
-                f"  graph {k} ({p.scope}, {p.spec}): {_size(p.planned_bytes)} of {_size(p.baseline_bytes)} saved at the "
-                f"forward's end, budget {_size(p.budget_bytes)}, {met}; bounds {p.bounded_at}; est {p.estimated_ms:.3f} ms"
+                f"  graph {k} ({p.scope}, {p.spec}): {_size(p.planned_bytes)}{share(p.planned_bytes)} of "
+                f"{_size(p.baseline_bytes)} of activations saved at the forward's end, budget {_size(p.budget_bytes)}"
+                f"{share(p.budget_bytes)}, {met}; bounds {p.bounded_at}; est {p.estimated_ms:.3f} ms"
             )
+            if p.predicted_peak_bytes is not None:
+                lines.append(f"    with the graphs' own tensors the step peaks at {_size(p.predicted_peak_bytes)}, at {p.predicted_peak_at}")
             if p.copies():
                 lines.append(f"    {p.copies()}")
         return "\n".join(lines)

@@ -32,10 +32,12 @@ CUDA (checked on an H100, torch 2.11: ``benchmarks/gpu_offload_profile.py``):
   into pinned memory (``pin_memory=True``, from torch's caching host allocator, a pool reused
   once a copy's event has passed; pageable memory makes the copy synchronous) on ``side``, an
   event after it.  The op keeps ``src`` until the current stream has waited for that event:
-  once more than ``config.offload_copies_in_flight`` copies of the device are pending, the
-  next ``offload`` (or any ``reload_start``) makes the current stream wait for the oldest
-  and lets its ``src`` go.  The compute stream thus runs at most that many copies ahead of
-  the copy engine; the host never blocks.  The returned CPU tensor is complete only once
+  each ``offload`` (and ``reload_start``) first lets go of the sources of the copies that
+  are done (their events have passed, a host query), and once more than
+  ``config.offload_copies_in_flight`` copies of the device are still running, makes the
+  current stream wait for the oldest and lets its ``src`` go.  The compute stream thus runs
+  at most that many copies ahead of the copy engine, a finished copy's block is back with
+  the allocator by the next offload, and the host never blocks.  The returned CPU tensor is complete only once
   ``side`` has run the copy: the only consumer that may read it is ``reload_start``
   (stream-ordered).  So ``cpu_offload()`` must be the *last* pair of a
   :func:`~torch_patches.hooks.chain`, never followed by a pair that computes on the CPU
@@ -149,12 +151,18 @@ _copies_out: dict[int, collections.deque[_CopyOut]] = {}
 
 
 def _release_copied(device: torch.device, keep: int) -> None:
-    """Let go of the sources of all but the newest ``keep`` pending device-to-host copies of
-    ``device``: the current stream waits for each such copy first, so the freed block is
-    reused (on the current stream, in its order) only after the copy has read it."""
+    """Let go of the sources of the pending device-to-host copies of ``device`` that are done
+    (their event has passed: nothing reads them any more), then of all but the newest
+    ``keep`` still running: the current stream waits for each of those first, so the freed
+    block is reused (on the current stream, in its order) only after the copy has read it.
+    Only copies still running count against ``keep``: the compute waits for a copy only
+    when more than ``keep`` are behind it, and a finished copy's block goes back to the
+    allocator at the next offload or reload, with no wait."""
     index = _index(device)
     with _streams_lock:
         pending = _copies_out.get(index)
+        while pending and pending[0].event.query():  # a host query; it never blocks
+            pending.popleft()
         done = [pending.popleft() for _ in range(len(pending) - keep)] if pending and len(pending) > keep else []
     if done:
         current = torch.cuda.current_stream(index)

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch_patches import config
 from torch_patches.hooks.markers import is_inlineable_hook, pair_is_inlineable
-from torch_patches._functorch._aot_autograd.hook_inputs import find_inputs
+from torch_patches._functorch._aot_autograd import hook_inputs
 from torch_patches._functorch._aot_autograd.hook_watch import Watches
 from torch_patches._functorch._aot_autograd.hook_walk import HookIdentity, _Walker, digest, own_source_digest
 
@@ -46,7 +46,7 @@ def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
     hint = _attr_hints.get(id(fn))
     attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
     lifted = frozenset(
-        id(t.tensor) for t in find_inputs(fn, "pack")[0] if lift is True or t.path in lift
+        id(t.tensor) for t in hook_inputs.find_inputs(fn, "pack")[0] if lift is True or t.path in lift
     ) if lift else frozenset()
     while True:
         walker = _Walker(attrs, lifted)
