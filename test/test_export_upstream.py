@@ -339,7 +339,7 @@ instantiate_device_type_tests(TestOurs, globals())
         with tempfile.TemporaryDirectory() as tmp:
             apply_to_overlay(os.path.join(tmp, "site"), ROOT, results)
 
-    @pytest.mark.slow  # a second export of the whole stack; fast twin: the CLI test's patches
+    @pytest.mark.slow  # a second export of the whole stack
     def test_deterministic(self):
         _, first = exported()
         _, second = run_export(ROOT, patches_module.PATCHES, REPO_ROOT, patches_module.EFFECTS)
@@ -363,6 +363,7 @@ instantiate_device_type_tests(TestOurs, globals())
                 self.assertEqual(sorted(changed), sorted(r.files))
             self.assertEqual(_git("status", "--porcelain", cwd=tmp), "")
 
+    @pytest.mark.slow  # the CLI's export of the whole stack, beside this process's
     def test_cli_writes_patches_and_skips_unresolvable(self):
         good = patches_module.PATCHES
         bad = dataclasses.replace(

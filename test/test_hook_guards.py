@@ -419,7 +419,11 @@ class TestPerCallPath(TestCase):
         with tp_config.patch(**(config or {})):
             with counting_compile_work() as compiling:
                 step()
-            self.assertGreater(sum(compiling.values()), 0, "the counters saw no compile")
+            if hooks or not config:
+                # Hook objects exist (given, or entered in the region): compiling walks them,
+                # so the counters are seen to count. A budget set in config has none in
+                # upstream's form (torch reads the knob), nothing to walk there either.
+                self.assertGreater(sum(compiling.values()), 0, "the counters saw no compile")
             frames = counter.frame_count
             with counting_compile_work() as per_call:
                 for _ in range(self.STEPS):
