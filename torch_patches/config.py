@@ -50,8 +50,9 @@ reload_prefetch_distance: int = 4
 # cpu_offload() on CUDA: how many device-to-host copies of a device may still be running on
 # its copy stream when the next offload is issued. Beyond that, the compute stream waits
 # for the oldest copy (an event; the host never blocks) and its device memory goes back to
-# the caching allocator. More: the compute runs further ahead of the copies, and that many
-# offloaded tensors stay on the device meanwhile. 0: each offload waits for its own copy.
+# the caching allocator; a copy found finished gives its memory back with no wait and does
+# not count. More: the compute runs further ahead of the copies, and that many offloaded
+# tensors stay on the device meanwhile. 0: each offload waits for its own copy.
 offload_copies_in_flight: int = 2
 
 # cpu_offload() across graphs compiled apart (each decoder layer on its own, as FSDP2 and
