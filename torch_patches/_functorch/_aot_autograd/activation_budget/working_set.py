@@ -20,6 +20,7 @@ reads them off the graphs (compile time, pure fx):
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +44,17 @@ def _pointwise(node: fx.Node) -> bool:
     return _tagged(node, torch.Tag.pointwise)
 
 
+#: Ops that are not tagged pointwise but that Inductor lowers as pointwise kernels reading
+#: their input at computed indices, so a pointwise op they read is fused into them (the
+#: cross-entropy's gather from the log-softmax, never materialised in the forward).
+_INDEXED_LOADS = frozenset({torch.ops.aten.gather.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default})
+
+
+def _fuses_pointwise(node: fx.Node) -> bool:
+    """Whether Inductor fuses a pointwise op that ``node`` reads into ``node``'s kernel."""
+    return _tagged(node, torch.Tag.pointwise, torch.Tag.reduction) or node.target in _INDEXED_LOADS
+
+
 def _is_view(node: fx.Node) -> bool:
     return act_inputs.storage_root(node) is not node or node.target is operator.getitem
 
@@ -50,8 +62,8 @@ def _is_view(node: fx.Node) -> bool:
 def materialized(node: fx.Node) -> bool:
     """Whether ``node``'s output is a buffer of its own (not a view, not fused away): an op
     that is not pointwise, or a pointwise one read (through views) by something Inductor
-    does not fuse it into: not a pointwise op or a reduction (a matmul, attention, the
-    graph's output)."""
+    does not fuse it into: not a pointwise op, a reduction or an indexed load (a matmul,
+    attention, the graph's output)."""
     if node.op == "placeholder":
         return True
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor) or _is_view(node):
@@ -66,7 +78,7 @@ def materialized(node: fx.Node) -> bool:
         seen.add(user)
         if user.op == "call_function" and _is_view(user):
             stack.extend(user.users)
-        elif not _tagged(user, torch.Tag.pointwise, torch.Tag.reduction):
+        elif not _fuses_pointwise(user):
             return True
     return False
 
@@ -144,13 +156,29 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
         if total + fw_held[i] > best:
             best, where = total + fw_held[i], f"forward node {fw_nodes[i].name}"
     diff = [0] * (len(bw_nodes) + 1)
-    def freed(last: int) -> int:  # after the kernel of its last reader
-        return min(len(bw_nodes), (bw_ends[last] if last < len(bw_nodes) else last) + 1)
+    # A storage the forward returns once, as a saved tensor, reaches the backward donated;
+    # one it also returns as an output (or a view of it), or saves twice, does not.
+    returned = collections.Counter(
+        act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node)
+    ) if fw_nodes and fw_nodes[-1].op == "output" else collections.Counter()
+
+    def freed(last: int, nbytes: int = 0) -> int:
+        """After the kernel of its last reader; for a donated storage (``nbytes`` given)
+        whose last reader's kernel is a pointwise one with an output of its bytes, at it:
+        Inductor writes the output in place of the dying input."""
+        if last >= len(bw_nodes):
+            return len(bw_nodes)
+        kernel = bw_ends[last]
+        node = bw_nodes[kernel]
+        if nbytes and _pointwise(node) and materialized(node) and nbytes_of(node) == nbytes:
+            return kernel
+        return min(len(bw_nodes), kernel + 1)
 
     for c in plan.choices:
         diff[0] += c.chosen.device_bytes
         diff[c.span.first] += c.nbytes - c.chosen.device_bytes
-        diff[freed(c.span.last)] -= c.nbytes
+        donated = all(returned[act_inputs.storage_root(m)] == 1 for m in c.members)
+        diff[freed(c.span.last, c.nbytes if donated else 0)] -= c.nbytes
     for span, nbytes in plan.fixed:
         diff[0] += nbytes
         diff[freed(span.last)] -= nbytes
