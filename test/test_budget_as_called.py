@@ -10,7 +10,8 @@
   them alone.
 * The plan's predicted step peak (its saved tensors with the graphs' own tensors) against
   the allocator's measured peak of the same step: within 10% on an HF Llama compiled whole
-  with Inductor, at HF's default call and with the cache off (slow tier).
+  with Inductor, at HF's default call and with the cache off, and on a loss compiled apart
+  (slow tier).
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ class TestHeldBytes(TestCase):
         names = [n.name for n in gm.graph.nodes]
         held = dict(zip(names, working_set.held_bytes(gm.graph)))
         x, w, mm = 16 * 8 * 4, 8 * 32 * 4, 16 * 32 * 4
-        self.assertEqual(held["mm"], x + w + mm)  # the inputs until their last use
-        self.assertEqual(held["sigmoid"], mm)  # fused: nothing of its own
-        self.assertEqual(held["sum_1"], mm + 32 * 4)
-        self.assertEqual(held["output"], mm + 32 * 4)  # outputs (h through its view) live to the end
-        self.assertEqual(dict(zip(names, working_set.held_bytes(gm.graph, inputs=False)))["mm"], mm)
+        # The inputs to the end (a backward's incoming gradients: autograd holds them in the
+        # call's arguments until it returns).
+        self.assertEqual(held["mm"], x + w + mm)
+        self.assertEqual(held["sigmoid"], x + w + mm)  # fused: nothing of its own
+        self.assertEqual(held["sum_1"], x + w + mm + 32 * 4)
+        self.assertEqual(held["output"], x + w + mm + 32 * 4)  # outputs (h through its view) live to the end
+        without_inputs = dict(zip(names, working_set.held_bytes(gm.graph, inputs=False)))
+        self.assertEqual((without_inputs["mm"], without_inputs["sigmoid"]), (mm, mm))
         mm_node = next(n for n in gm.graph.nodes if n.name == "mm")
-        without = dict(zip(names, working_set.held_bytes(gm.graph, [mm_node])))
+        without = dict(zip(names, working_set.held_bytes(gm.graph, [mm_node], inputs=False)))
         self.assertEqual(without["output"], 32 * 4)  # the plan's own storage left out
         self.assertFalse(working_set.materialized(next(n for n in gm.graph.nodes if n.name == "sigmoid")))
 
@@ -77,8 +81,8 @@ class TestOutputAliases(TestCase):
         self.assertTrue(planned)
         # The cache's keys and values (2 layers: 4 tensors of 2 x 2 x 64 x 32) and the logits.
         self.assertGreaterEqual(len(planned), 4)
-        for r in shared:
-            self.assertIsNotNone(r.option, r.name)  # the plan decided it
+        for r in shared:  # the plan decided it, or the partitioner's knapsack recomputes it
+            self.assertTrue(r.option is not None or r.decided_by == "partitioner", (r.name, r.decided_by, r.reason))
 
     def test_plain_hooks_leave_them_to_upstreams_rule(self, device: str) -> None:
         filtered = [r for r in self.records(device, bf16()) if r.reason and "donated" in r.reason]
@@ -132,6 +136,24 @@ class TestPredictedPeak(TestCase):
                 loss = compiled(ids)
             loss.backward()
             model.zero_grad(set_to_none=True)
+
+        self.assert_predicted_within_a_tenth(step, device)
+
+    @pytest.mark.slow
+    def test_loss_apart_predicted_within_a_tenth(self, device: str) -> None:
+        # The loss compiled on its own (after a graph break, or as torchtitan compiles it):
+        # it saves its input, the logits another graph made, which reach its backward as an
+        # input of the step, not donated: the logits' gradient is written beside them, not in
+        # their place (counting it in place predicted half the step's peak).
+        labels = torch.randint(0, 4096, (1024,), generator=torch.Generator().manual_seed(0)).to(device)
+        base = torch.randn(1024, 4096, device=device, requires_grad=True)
+        compiled = torch.compile(lambda logits: torch.nn.functional.cross_entropy(logits, labels))
+
+        def step() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(*budget(0.9)):
+                loss = compiled(base * 1)  # made by autograd before the graph
+            loss.backward()
+            base.grad = None
 
         self.assert_predicted_within_a_tenth(step, device)
 

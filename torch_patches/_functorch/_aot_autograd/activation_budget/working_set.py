@@ -10,7 +10,8 @@ reads them off the graphs (compile time, pure fx):
 * :func:`held_bytes`: per node position, the bytes of the graph's own tensors alive right
   after that node runs, storages counted once (views share their base's), the saved tensors
   left out (the plan models them).  A tensor is alive from the node that makes it to the
-  last node reading it (or one of its views); an output of the graph to the graph's end.
+  last node reading it (or one of its views); an output of the graph to the graph's end, and
+  so is an input (a backward's incoming gradients, held by autograd for the call).
   Under Inductor a pointwise op all of whose readers are pointwise ops or reductions is
   fused into them and never materialised (:func:`materialized`): counted as nothing, and
   what it reads stays alive until the kernel it is fused into has run (:func:`kernel_ends`).
@@ -100,8 +101,9 @@ def kernel_ends(graph: fx.Graph) -> list[int]:
 def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True) -> list[int]:
     """Bytes of ``graph``'s own tensors alive right after each node (see the module);
     ``excluded``: nodes whose storages are not counted (the saved tensors); ``inputs``:
-    whether the graph's inputs count (a backward's incoming gradients do, until their last
-    use; a forward's inputs were held by the caller before the step)."""
+    whether the graph's inputs count (a backward's incoming gradients do, to the graph's end:
+    autograd passes them to the compiled backward in arguments it holds until the call
+    returns; a forward's inputs were held by the caller before the step)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     skip = {act_inputs.storage_root(n) for n in excluded}
@@ -119,7 +121,9 @@ def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool =
         nbytes = nbytes_of(n)
         if nbytes:
             diff[pos[n]] += nbytes
-            diff[min(end, max(last.get(n, pos[n]), pos[n]) + 1)] -= nbytes
+            # An input lives to the graph's end: autograd holds a backward's incoming
+            # gradients in the arguments of the call until it returns.
+            diff[end if n.op == "placeholder" else min(end, max(last.get(n, pos[n]), pos[n]) + 1)] -= nbytes
     out, total = [], 0
     for d in diff[:end]:
         total += d
@@ -156,8 +160,9 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
         if total + fw_held[i] > best:
             best, where = total + fw_held[i], f"forward node {fw_nodes[i].name}"
     diff = [0] * (len(bw_nodes) + 1)
-    # A storage the forward returns once, as a saved tensor, reaches the backward donated;
-    # one it also returns as an output (or a view of it), or saves twice, does not.
+    # A storage the forward makes and returns once, as a saved tensor, reaches the backward
+    # donated; one it also returns as an output (or a view of it), saves twice, or takes as
+    # an input (an activation another graph made), does not.
     returned = collections.Counter(
         act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node)
     ) if fw_nodes and fw_nodes[-1].op == "output" else collections.Counter()
@@ -177,7 +182,7 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     for c in plan.choices:
         diff[0] += c.chosen.device_bytes
         diff[c.span.first] += c.nbytes - c.chosen.device_bytes
-        donated = all(returned[act_inputs.storage_root(m)] == 1 for m in c.members)
+        donated = all(returned[act_inputs.storage_root(m)] == 1 and act_inputs.storage_root(m).op != "placeholder" for m in c.members)
         diff[freed(c.span.last, c.nbytes if donated else 0)] -= c.nbytes
     for span, nbytes in plan.fixed:
         diff[0] += nbytes
