@@ -239,7 +239,10 @@ class TestBudgetRows(TestCase):
         x = torch.randn(64, 128, requires_grad=True)
         w = torch.randn(128, 128, requires_grad=True)
         torch._dynamo.reset()
-        with recording_decisions() as decisions, torch.autograd.graph.saved_tensors_hooks(*budget(0.5)):
+        # The plans' own storage (here the partitioner's knapsack would recompute exactly,
+        # nothing stored otherwise: test_budget.TestPartitionerFirst).
+        knob = torch_patches.config.patch(activation_budget_partitioner_recompute=False)
+        with knob, recording_decisions() as decisions, torch.autograd.graph.saved_tensors_hooks(*budget(0.5)):
             torch.compile(two_graphs, backend="aot_eager")(x, w).backward()
         plans = [p for c in decisions._compiled for p in c.plans]
         self.assertEqual(decisions.plan_graphs, 2)

@@ -15,6 +15,10 @@ budget at the least estimated time. What is checked here:
   one block's backward; a whole model compiled at once is bounded at every point;
 * the least lossy plan, fitted without recompute where recomputes pin the budget out of
   reach;
+* the partitioner first: its cheap recomputation where it meets the budget; its knapsack at
+  the fraction where the plan's floor holds more, or where the plan stores lossily and the
+  knapsack's recomputation costs no more than the lossy plan's time and margin (the step is
+  then stock's, bit for bit), and not where the floor holds less;
 * the config form equals the hook form; a budget entered inside a region plans its scope;
 * changing the budget recompiles once (and, in fresh processes, misses the cache once:
   test_compile_cache.py);
@@ -26,6 +30,7 @@ budget at the least estimated time. What is checked here:
 
 import collections
 import contextlib
+import re
 import types
 import warnings
 from unittest import mock
@@ -693,6 +698,82 @@ class TestPartitionerFirst(BudgetTestCase):
         torch._dynamo.reset()
         torch.compile(region, backend="aot_eager")(*[a.detach().clone().requires_grad_() for a in args]).backward()
         self.assertEqual(self.partitioner(), (None, None))
+
+    # Where the plan cannot meet the budget, or meets it only with lossy storage, the
+    # partitioner's knapsack at the budget's fraction (what activation_memory_budget = F
+    # recomputes) is weighed against it: taken where it holds less than the plan's floor, or
+    # where it is exact and its recomputation costs no more than the lossy plan's time and
+    # margin; never compressed on top. aot_eager: a taken knapsack's step is stock's, bit
+    # for bit.
+
+    def model_step(self, name, device, fraction, blocks=False, stock=False):
+        """(measured peak, forward graphs, gradients, the plans) of one step of ``name``
+        (compiled whole, or block by block with a non-leaf input) under ``budget(fraction)``,
+        or under stock's ``activation_memory_budget = fraction``."""
+        model, x = _model(name, device, **_SIZES[name])
+        torch._dynamo.reset()
+        self.plan_log.clear()
+        rec = AotEagerAndRecordGraphs()
+        if blocks:
+            compiled = [torch.compile(block, backend=rec) for block in model]
+
+            def fn(x):
+                h = x * 1
+                for block in compiled:
+                    h = block(h)
+                return h
+        else:
+            fn = torch.compile(model, backend=rec)
+        hooks = None if stock else budget(fraction, options=_NO_OFFLOAD)
+        with torch._functorch.config.patch(activation_memory_budget=fraction if stock else 1.0), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, grads = _step(fn, model, x, hooks)
+            peak = peak_bytes(lambda: _step(fn, model, x, hooks), device)
+        return peak, rec.fw_graphs, grads, list(self.plan_log.plans)
+
+    def assert_stocks_step(self, ours, stock):
+        peak, fw_graphs, grads, plans = ours
+        self.assertTrue(plans and all(p.met and p.partitioner_met for p in plans), plans)
+        self.assertTrue(all("met by the partitioner's recomputation" in p.preference for p in plans))
+        self.assertTrue(all(set(p.options().values()) == {"keep"} or not p.options() for p in plans))
+        self.assertEqual([hook_nodes(g) for g in fw_graphs], [{} for _ in fw_graphs])  # nothing compressed
+        self.assertEqual([len(g.graph.output_node().args[0]) for g in fw_graphs], [len(g.graph.output_node().args[0]) for g in stock[1]])
+        self.assertGradsEqual(grads, stock[2], exact=True)
+        self.assertEqual(peak, stock[0])
+
+    def test_knapsack_taken_where_the_plans_floor_holds_more(self, device):
+        # The transformer at 0.1: the plan's floor (int8 and what is in use at full size)
+        # predicts more than the knapsack, which recomputes down to 0.07 of the bytes.
+        ours = self.model_step("transformer", device, 0.1)
+        self.assert_stocks_step(ours, self.model_step("transformer", device, 0.1, stock=True))
+        (ratio,) = re.findall(r"recomputation, ([\d.]+) of its default bytes", ours[3][0].preference)
+        self.assertLessEqual(float(ratio), 0.1)
+
+    def test_knapsack_taken_over_lossy_storage_within_the_margin(self, device):
+        # mlp8 block by block at 0.3: the plan meets each block's forward's end with int8;
+        # the knapsack saves only the block's input, recomputing the block for less than the
+        # int8 plan's own time: exact wins. Where recomputing is estimated slow (a slow
+        # device), the int8 plan stays.
+        ours = self.model_step("mlp8", device, 0.3, blocks=True)
+        # What the default partition saves and the knapsack recomputes is said, per tensor.
+        dropped = [r for r in self.plan_log.records() if r.decided_by == "partitioner"]
+        self.assert_stocks_step(ours, self.model_step("mlp8", device, 0.3, blocks=True, stock=True))
+        self.assertTrue(dropped)
+        self.assertEqual({r.decision for r in dropped}, {"recomputed"})
+        self.assertIn("recomputed by the partitioner: its knapsack at 0.3", dropped[0].reason)
+        with tp_config.patch(activation_budget_flops=1e-6):
+            _, fw_graphs, _, plans = self.model_step("mlp8", device, 0.3, blocks=True)
+        self.assertTrue(all(p.met and not p.partitioner_met for p in plans))
+        self.assertIn("int8", {o for p in plans for o in p.options().values()})
+        self.assertNotEqual(hook_nodes(fw_graphs[0]), {})
+
+    def test_plans_floor_kept_where_it_holds_less(self, device):
+        # mlp8 compiled whole at 0.1: the knapsack predicts more than the plan's floor (its
+        # backward rebuilds the blocks beside the rest); the floor stays, below stock's peak.
+        peak, _, _, plans = self.model_step("mlp8", device, 0.1)
+        (plan,) = plans
+        self.assertEqual((plan.met, plan.partitioner_met), (False, False))
+        self.assertLess(peak, self.model_step("mlp8", device, 0.1, stock=True)[0])
 
 
 instantiate_device_type_tests(TestPartitionerFirst, globals())

@@ -99,7 +99,10 @@ class TestRows(TestCase):
         self.assertTrue(all(r["device_bytes"] == r["bytes"] for r in plain.rows))
         planned = torch_patches.report(step, budget=0.5)
         self.assertEqual(planned.hooks, "budget(0.5)")
-        self.assertEqual([r["name"] for r in planned.rows], [r["name"] for r in plain.rows])
+        # Every tensor the default partition saves has its row: stored otherwise, kept, or
+        # recomputed (by the plan, or by the partitioner's knapsack where that was taken, which
+        # may save others instead).
+        self.assertLessEqual({r["name"] for r in plain.rows}, {r["name"] for r in planned.rows})
         self.assertLess(sum(r["device_bytes"] for r in planned.rows), sum(r["device_bytes"] for r in plain.rows))
         with self.assertRaisesRegex(ValueError, "not both"):
             torch_patches.report(step, hooks=bf16(), budget=0.5)

@@ -127,8 +127,12 @@ activation_budget_kernel_overhead_us: float | None = None
 # for its cheap exact recomputation first (its more aggressive min-cut: fusible chains it
 # recomputes without its bans); when that alone saves at most the budget's fraction of the
 # default partition's activation bytes, the graph is partitioned that way and nothing is
-# compressed (torch_patches/_functorch/partitioners.py). False: the plan starts from the
-# default partition.
+# compressed (torch_patches/_functorch/partitioners.py). Where the plan over the default
+# partition then sits at its floor, or meets the budget only with lossy storage, the
+# partitioner's knapsack at the fraction (activation_memory_budget's own) is weighed against
+# it: taken where it holds less than the floor, or where it is exact and costs at most the
+# lossy plan's time plus activation_budget_lossy_margin. False: neither; the plan starts
+# from the default partition.
 activation_budget_partitioner_recompute: bool = True
 # Among plans that meet the budget, the plan prefers exact options (keep, offload,
 # recompute) to bf16 and bf16 to fp8, unless a lossier plan is estimated faster by more

@@ -16,13 +16,28 @@ aggressive min-cut, when that saves anything), and takes it when it saves at mos
 the default's activation bytes.  The compilation's facts then carry the ratio it reached,
 so that the inliner's plan measures the budget against the default partition's bytes and
 finds it met, exactly.  Otherwise the default partition is kept and the plan chooses per
-saved tensor as before (the knapsack's expensive recomputation is never taken here).  Budget
-pairs entered inside a compiled region plan their own scope and leave the partition alone.
+saved tensor.
+
+Where that plan cannot meet the budget either (its floor: the stored forms and the plan's
+own recomputation hold more than ``F``), or meets it only with lossy storage, the
+partitioner's knapsack at ``F`` (what ``activation_memory_budget = F`` gives, recomputing
+expensive ops too) is weighed against it (:func:`weigh_knapsack`): the inliner's driver takes
+the :class:`PartitionRetry` this patch left on the compilation's facts, which redoes the
+partition at ``F`` from the joint graph and fits the plan to it (met, by the ratio as above: nothing stored otherwise on top).
+Against a floor, the partition whose plan holds less is taken (:func:`_score`: the bytes at
+the forward's end first where the graph is one of several of its step, each of them holding
+its saved bytes while the others run; else the step's peak as the graph sees it).  Against
+lossy storage, the knapsack is taken when its extra compute costs no more than the lossy
+plan's estimated time plus ``config.activation_budget_lossy_margin`` of the graph's compute:
+exact first, as the plan's own choice between its plans.  Budget pairs entered inside a
+compiled region plan their own scope and leave the partition alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,12 +49,29 @@ from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches.hooks.markers import decode
 
 
+log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch.partitioners"
 
 #: The budget at which the partitioner is asked for its cheap recomputation: below 1, so that
 #: it tries its more aggressive min-cut, and so close to 1 that its knapsack, if it runs at
 #: all, needs to recompute next to nothing.
 CHEAP_RECOMPUTE_BUDGET = 0.999
+
+
+@dataclasses.dataclass
+class PartitionRetry:
+    """What a partition can be redone from at ``fraction``: the joint graph the partitioner
+    ran on, and the default partition's activation bytes (the budget's 1).  Left on the
+    compilation's facts; the inliner's driver takes it and calls :meth:`weigh` before the
+    phases."""
+
+    joint_module: Any
+    fraction: float
+    default_bytes: int
+
+    def weigh(self, *graphs: Any) -> list[Any] | None:
+        """:func:`weigh_knapsack` of the partitioned graphs the inliner was handed."""
+        return weigh_knapsack(self, *graphs)
 
 
 def ambient_budget_fraction() -> float | None:
@@ -117,6 +149,8 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         found = compile_facts.facts()
         if found is not None:
             found.partition_cheap_ratio = ratio
+        if ratio > fraction and found is not None and full:
+            found.partition_retry = PartitionRetry(joint_graph.owning_module, fraction, full)
         if ratio > fraction:
             artifact.debug(
                 "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
@@ -132,3 +166,146 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         return cheap
 
     return choose_saved_values_set
+
+
+# ------------------------------------------------------------ the knapsack, weighed
+
+
+def _score(plan: Any, after_bytes: int) -> tuple[int, int]:
+    """What a partition's plan is compared by.  Where the budget bounds the forward's end (a
+    graph that is one of several) the bytes it holds there, then its predicted peak.  Else
+    the step's peak as far as this graph sees it: its own predicted peak, or what it holds
+    at its forward's end while the rest of the step reads its outputs (``after_bytes``,
+    :func:`_grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
+    more; then its own predicted peak."""
+    predicted = plan.predicted[0] if plan.predicted else plan.peak[0]
+    if plan.backward_bytes is not None:
+        return plan.bounded[0], predicted
+    return max(predicted, plan.predicted_bytes + after_bytes), predicted
+
+
+def _grad_outputs_bytes(fw_module: Any, inner_meta: Any) -> int:
+    """What the rest of the step holds at least after this graph's forward, when the graph
+    does not end it: twice the bytes of the outputs that require grad (they and their
+    gradients).  A graph returning a scalar that requires grad returns its step's loss: the
+    rest of its outputs are the caller's to drop (HF's logits beside the loss), 0."""
+    outs = fw_module.graph.output_node().args[0][getattr(inner_meta, "num_mutated_inp_runtime_indices", 0):]
+    grads = [
+        node
+        for info, node in zip(inner_meta.output_info, outs)
+        if getattr(info, "requires_grad", False) and isinstance(getattr(node, "meta", {}).get("val"), torch.Tensor)
+    ]
+    if any(node.meta["val"].dim() == 0 for node in grads):
+        return 0
+    return sum(2 * hook_utils.nbytes_of(node) for node in grads)
+
+
+def _saved_activation_bytes(fw_module: Any, num_fwd_outputs: int) -> int:
+    """Bytes of the tensors a partitioned forward saves that are not its inputs."""
+    outs = fw_module.graph.output_node().args[0][num_fwd_outputs:]
+    return sum(
+        hook_utils.nbytes_of(n)
+        for n in outs
+        if getattr(n, "op", "placeholder") != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+
+
+def _adopt(dst: Any, src: Any) -> None:
+    """``dst`` (a partitioned graph module the caller holds) takes ``src``'s graph and the
+    attributes that graph reads."""
+    dst.graph = src.graph
+    for node in src.graph.find_nodes(op="get_attr"):
+        *path, name = node.target.split(".")
+        here, there = src, dst
+        for part in path:
+            here = getattr(here, part)
+            if not hasattr(there, part):
+                setattr(there, part, torch.nn.Module())
+            there = getattr(there, part)
+        setattr(there, name, getattr(here, name))
+    dst.meta.update(src.meta)
+
+
+def weigh_knapsack(
+    retry: PartitionRetry,
+    fw_module: Any,
+    bw_module: Any,
+    num_fwd_outputs: int,
+    inner_meta: Any,
+    aot_config: Any,
+    static_input_indices: list[int],
+    ambient: Any,
+) -> list[Any] | None:
+    """Where the ambient budget's plan over the default partition sits at its floor, or
+    meets the budget with lossy storage, redo the partition (from ``retry``) with the
+    partitioner's knapsack at the budget's fraction and keep it (``fw_module`` and ``bw_module`` take its graphs)
+    where it is better (module docstring).  Returns None where it was not taken, else the
+    records of what the default partition saves and it recomputes (``saved_tensor_records``,
+    decided ``recomputed`` by the partitioner).  Compile time only."""
+    from torch_patches._functorch._aot_autograd import inline_phases, saved_tensor_records as records
+    from torch_patches._functorch._aot_autograd.activation_budget.solver import _lossy
+
+    if ambient is None or getattr(inner_meta, "tokens", None):
+        return None
+    if any("rng_state" in n.name for m in (fw_module, bw_module) for n in m.graph.find_nodes(op="placeholder")):
+        return None
+    args = (num_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient)
+    ours, default_records = inline_phases.trial_plans(fw_module, bw_module, *args)
+    if len(ours) != 1 or (ours[0].met and not any(_lossy(c.chosen) for c in ours[0].choices)):
+        return None
+    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+    try:
+        with torch._functorch.config.patch(activation_memory_budget=retry.fraction):
+            fw_k, bw_k = torch._functorch.partitioners.min_cut_rematerialization_partition(
+                retry.joint_module, None, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_input_indices
+            )
+    except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
+        log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s: %s); the plan stands", retry.fraction, type(e).__name__, e)
+        return None
+    ratio = _saved_activation_bytes(fw_k, num_fwd_outputs) / retry.default_bytes
+    found = compile_facts.facts()
+    found.partition_budget_ratio = ratio
+    theirs, taken_records = inline_phases.trial_plans(fw_k, bw_k, *args)
+    taken, why = _better(ours, theirs, (fw_module, bw_module), (fw_k, bw_k), _grad_outputs_bytes(fw_module, inner_meta))
+    artifact.debug("budget %.3g: the partitioner's knapsack (%.3f of the activation bytes) %s", retry.fraction, ratio, why)
+    if not taken:
+        found.partition_budget_ratio = None
+        return None
+    _adopt(fw_module, fw_k)
+    _adopt(bw_module, bw_k)
+    kept = {r.name for r in taken_records}
+    why = f"recomputed by the partitioner: its knapsack at {retry.fraction:g} (activation_memory_budget's own) {why}"
+    dropped = [r for r in default_records if r.name not in kept and not r.is_input]
+    for r in dropped:
+        r.leave("partitioner", why, records.RECOMPUTED)
+    return dropped
+
+
+def _better(ours: list[Any], theirs: list[Any], default: tuple[Any, Any], knapsack: tuple[Any, Any], after: int) -> tuple[bool, str]:
+    """Whether the knapsack's partition (its plan ``theirs``) is taken over the default's
+    (``ours``), and why in words.  Where our plan misses the budget: the lower score
+    (:func:`_score`).  Where it meets it with lossy storage: the knapsack when it meets it
+    too, exactly, and its recomputation costs at most our plan's estimated time plus
+    ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
+    rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`)."""
+    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
+    from torch_patches._functorch._aot_autograd.activation_budget.solver import _lossy
+
+    if len(theirs) != 1 or any(_lossy(c.chosen) for c in theirs[0].choices):
+        return False, "kept out: its plan is not exact"
+    mine, knap = ours[0], theirs[0]
+    scores = _score(knap, after), _score(mine, after)
+    if not mine.met:
+        if scores[0] < scores[1]:
+            return True, f"taken over the plan's floor: it holds {scores[0][0]} B against {scores[1][0]} B"
+        return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
+    if not knap.met:
+        return False, "kept out: it misses the budget the plan meets"
+    device = next((n.meta["val"].device for n in default[0].graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    rates = Rates.for_device(device)
+    base = graph_compute_ms(default[0].graph, default[1].graph, rates)
+    extra = graph_compute_ms(knapsack[0].graph, knapsack[1].graph, rates) - base
+    allowed = mine.estimated_ms + config.activation_budget_lossy_margin * base
+    if extra <= allowed:
+        return True, f"taken over the plan's lossy storage: exact, recomputing for {extra:.3f} ms <= {allowed:.3f} ms"
+    return False, f"kept out: its recomputation {extra:.3f} ms > {allowed:.3f} ms, the lossy plan's time and margin"

@@ -121,7 +121,8 @@ PATCHES: tuple[Patch, ...] = (
         replacement=f"{_TP}_functorch.partitioners:make_choose_saved_values_set",
         wraps=True,
         summary="[partitioner] Under an activation-memory budget pair, take the partitioner's cheap "
-        "exact recomputation when it meets the budget",
+        "exact recomputation when it meets the budget; else leave the joint graph for the inliner to "
+        "weigh the partitioner's knapsack at the fraction against the plan",
         upstream=f"{_BLOB}torch/_functorch/partitioners.py",
         retire_when="upstream's activation_memory_budget composes with saved tensors hooks that plan storage",
         fingerprints=_fp("aot.budget_exact_recompute_first"),

@@ -46,6 +46,10 @@ class CompileFacts:
     #: Under an ambient fractional budget, the fraction the partitioner's cheap recomputation
     #: saves whether or not it met the budget (reported with the plan's summary).
     partition_cheap_ratio: float | None = None
+    #: Under an ambient fractional budget the cheap recomputation did not meet: what the
+    #: partition can be redone from at that fraction, ``partitioners.PartitionRetry`` (set by
+    #: the partitioner patch, taken by the inliner's driver: :func:`take_partition_retry`).
+    partition_retry: Any = None
     #: While a report records: the partitioner's saved set at each activation_memory_budget
     #: fraction, ``(fraction, saved activation bytes, estimated recomputation ms)`` (set by
     #: the partitioner patch, copied onto the records by the inliner).
@@ -114,6 +118,17 @@ def mark_not_cacheable(reason: str) -> bool:
     log.info("not cacheable: %s", reason)
     found.not_cacheable.append(reason)
     return True
+
+
+def take_partition_retry() -> Any:
+    """What the partition of the compilation in progress can be redone from (the partitioner
+    patch's ``PartitionRetry``, with its ``weigh``), cleared from the facts: None if
+    nothing."""
+    found = facts()
+    if found is None:
+        return None
+    retry, found.partition_retry = found.partition_retry, None
+    return retry
 
 
 def not_cacheable_reasons() -> list[str]:

@@ -124,6 +124,14 @@ def maybe_inline_graph_saved_tensors_hooks(
     ambient = _ambient_pair()
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
     try:
+        # A partition the partitioner patch may redo (its knapsack at the budget's fraction,
+        # where it beats the plan's floor or lossy storage): the modules take its graphs.
+        retry = compile_facts.take_partition_retry()
+        dropped = None if retry is None else retry.weigh(
+            fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient
+        )
+        if dropped is not None:
+            held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
         inline_phases.inline(
             fw_module,
             bw_module,
@@ -133,6 +141,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             static_input_indices,
             ambient,
             held,
+            dropped or [],
         )
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"

@@ -297,10 +297,13 @@ def inline(
     static_input_indices: list[int],
     ambient: HookPair | None,
     held: set[fx.Node],
+    recomputed_by_partitioner: list[records.SavedTensorRecord] = (),
 ) -> None:
     """Run the phases over the graph pair's saved tensors and rewrite both graphs; publish
     the records.  ``ambient``: the pair active around the compiled call (None: only in-graph
-    scopes); ``held``: forward inputs the caller keeps alive (``activation_inputs``).  Every
+    scopes); ``held``: forward inputs the caller keeps alive (``activation_inputs``);
+    ``recomputed_by_partitioner``: records of what the default partition saves and the one
+    taken recomputes (published with the others, for the log and ``report()``).  Every
     hook is traced before either graph changes: a :class:`SavedTensorsHookError` leaves them
     as they were (the driver decides whether to fall back).
 
@@ -316,15 +319,16 @@ def inline(
     plans = _trace(graphs, candidates)
     if plans or recomputed:
         _rewrite(graphs, plans, candidates, recomputed, aliases)
+    compiled.records.extend(recomputed_by_partitioner)
     records.log_records(compiled, graphs.artifact)
     records.publish(compiled)
     if plans or recomputed:
         _log_inlined(graphs)
 
 
-def _collect(graphs: _GraphPair, ambient: HookPair | None) -> records.CompiledSavedTensors | None:
+def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True) -> records.CompiledSavedTensors | None:
     """Phase collect: one record per saved tensor, with its scope's hooks (None: no saved
-    tensor has hooks; the records were published for an observer, if any)."""
+    tensor has hooks; the records were published for an observer, if any, and ``publish``)."""
     bw_g = graphs.bw_module.graph
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
     fw_order = {n: i for i, n in enumerate(graphs.fw_module.graph.nodes)}
@@ -332,7 +336,7 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None) -> records.CompiledSa
     bw_inputs, sources = graphs.bw_inputs, graphs.sources
     scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
     if all(pair is None for _, pair in scoped):
-        if records.observed():  # a report: what a graph without hooks saves
+        if publish and records.observed():  # a report: what a graph without hooks saves
             records.publish(records.CompiledSavedTensors(
                 [records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
                  for n in graphs.saved_tensors],
@@ -347,12 +351,12 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None) -> records.CompiledSa
     return records.CompiledSavedTensors(all_records, stock_pareto=stock_pareto(), **lengths)
 
 
-def _decide(
-    graphs: _GraphPair, candidates: list[records.SavedTensorRecord], compiled: records.CompiledSavedTensors
-) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node]]:
-    """Phases filter, select, alias and plan: each candidate's decision (a pair that cannot
-    be keyed raises first, before any decision).  Returns the
-    tensors the budget recomputes (their recipes) and the aliases packed with their root."""
+def _prepare(
+    graphs: _GraphPair, candidates: list[records.SavedTensorRecord]
+) -> tuple[activation_budget.GraphFacts, set[fx.Node] | None, dict[fx.Node, str | None]]:
+    """Phases filter, select and alias: what each candidate's hooks may see and take (a pair
+    that cannot be keyed raises first, before any decision).  Returns the facts the budget's
+    plans read, and upstream's filtering mode's allowed set and the forward's inputs."""
     fw_module, saved_tensors = graphs.fw_module, graphs.saved_tensors
     allowed = _filtered_by_mode(
         fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices
@@ -368,23 +372,55 @@ def _decide(
     output_aliases = _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs) if allowed is not None and budgeted else set()
     _filter(candidates, allowed, inputs, output_aliases)
     _select(candidates)
-    # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
-    # tensor in their scope takes the storage option its plan chose, or is kept.
     _mark_aliases(candidates)
-    recomputed, compiled.plans = activation_budget.apply_plans(
-        candidates,
-        activation_budget.GraphFacts(
-            fw_module.graph, graphs.bw_module.graph, graphs.bw_inputs, inputs, graphs.held, saved_tensors,
-            {r.node: r for r in candidates},
-            tuple(
-                records.input_source_name(ph, graphs.sources) or ph.name
-                for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
-            ),
+    facts = activation_budget.GraphFacts(
+        fw_module.graph, graphs.bw_module.graph, graphs.bw_inputs, inputs, graphs.held, saved_tensors,
+        {r.node: r for r in candidates},
+        tuple(
+            records.input_source_name(ph, graphs.sources) or ph.name
+            for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
         ),
     )
+    return facts, allowed, inputs
+
+
+def _decide(
+    graphs: _GraphPair, candidates: list[records.SavedTensorRecord], compiled: records.CompiledSavedTensors
+) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node]]:
+    """Phases filter, select, alias (:func:`_prepare`) and plan: each candidate's decision.
+    Returns the tensors the budget recomputes (their recipes) and the aliases packed with
+    their root."""
+    facts, allowed, inputs = _prepare(graphs, candidates)
+    # Budget pairs (torch_patches.hooks.budget, config.activation_memory_budget): each saved
+    # tensor in their scope takes the storage option its plan chose, or is kept.
+    recomputed, compiled.plans = activation_budget.apply_plans(candidates, facts)
     if allowed is not None:
-        _drop_partially_hooked(candidates, saved_tensors, inputs)
+        _drop_partially_hooked(candidates, graphs.saved_tensors, inputs)
     return recomputed, _settle_aliases(candidates)
+
+
+def trial_plans(
+    fw_module: fx.GraphModule,
+    bw_module: fx.GraphModule,
+    num_inner_fwd_outputs: int,
+    inner_meta: Any,
+    aot_config: Any,
+    static_input_indices: list[int],
+    ambient: HookPair,
+) -> tuple[list[activation_budget.Plan], list[records.SavedTensorRecord]]:
+    """The budget plans the phases would fit to this graph pair for the ``ambient`` pair,
+    with the step's peak each predicts, and the saved tensors' records; nothing traced,
+    written, published or warned (a partition weighed against another,
+    ``torch_patches._functorch.partitioners``)."""
+    held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
+    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held)
+    compiled = _collect(graphs, ambient, publish=False)
+    if compiled is None:
+        return [], []
+    candidates = [r for r in compiled.records if r.pair is not None]
+    facts, _, _ = _prepare(graphs, candidates)
+    fitted = activation_budget.fit_plans(candidates, facts, trial=True)
+    return [result for pair, result, _, _ in fitted if pair.label == ambient.label], compiled.records
 
 
 def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> list[graph_surgery.SavedPlan]:

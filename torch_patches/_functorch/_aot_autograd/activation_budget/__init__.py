@@ -78,8 +78,8 @@ their fewest bytes, and what cannot be hooked.
 
 Modules:
 
-* :mod:`.planner` (the glue): :func:`plan` per budget pair, :func:`apply_plans` for a graph
-  pair's facts (:class:`GraphFacts`, built once), :func:`option_hooks`, :func:`backward_span`;
+* :mod:`.planner` (the glue): :func:`plan` per budget pair, :func:`fit_plans` and
+  :func:`apply_plans` for a graph pair's facts (:class:`GraphFacts`, built once), :func:`option_hooks`, :func:`backward_span`;
 * :mod:`.summary`: :func:`summarize` (a fitted plan into its ``BudgetPlanSummary``, the floor's
   warning and what holds it);
 * :mod:`.cost_model`: :class:`Rates`, :func:`options_for`, :func:`lossy_tolerance`, the
@@ -106,6 +106,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.planner import (
     GraphFacts,
     apply_plans,
     backward_span,
+    fit_plans,
     option_hooks,
     plan,
 )
@@ -154,6 +155,7 @@ __all__ = [
     "exact_fit",
     "exact_or_greedy_fit",
     "fit",
+    "fit_plans",
     "graph_compute_ms",
     "greedy_fit",
     "summarize",

@@ -226,6 +226,7 @@ def plan(
     plannable: list[fx.Node],
     aliases: dict[fx.Node, fx.Node],
     exact: set[fx.Node] = frozenset(),
+    trial: bool = False,
 ) -> Plan:
     """The plan for one budget pair: its choices (:func:`build_choices`), the plan chosen
     among those fitted to its budget (:func:`choose`), and the step's peak it predicts with
@@ -239,23 +240,28 @@ def plan(
     keeps all of it. It costs its base tensor's bytes, however small the saved views.
     ``exact``: the forward nodes a recomputation may read (saved tensors no other hook
     packs, inputs the caller keeps); those in this plan are pinned to keep when read.
+    ``trial``: no report's pareto (:func:`fit_plans`).
     """
-    result = choose(pair, spec, facts, build_choices(spec, facts, members, plannable, aliases), exact)
+    result = choose(pair, spec, facts, build_choices(spec, facts, members, plannable, aliases), exact, trial)
     bw_saved = [facts.bw_inputs[s.name] for s in facts.saved_tensors if s.name in facts.bw_inputs]
     result.predicted = predicted_peak(result, facts.fw_g, facts.bw_g, facts.saved_tensors, bw_saved)
     return result
 
 
-def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: set[fx.Node]) -> Plan:
+def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: set[fx.Node], trial: bool = False) -> Plan:
     """The plan taken among those fitted to the budget: the least lossy one meeting it,
     unless a lossier one is faster by more than ``config.activation_budget_lossy_margin``;
     the floor where none meets it (:func:`_floor_plan`)."""
     choices, baseline = units.choices, units.baseline
-    # The partitioner's cheap recomputation met an ambient budget (torch_patches/_functorch/
-    # partitioners.py): the budget is a fraction of the default partition's bytes.
+    # The partitioner's recomputation met an ambient budget (torch_patches/_functorch/
+    # partitioners.py): the budget is a fraction of the default partition's bytes (a
+    # partition that saves no activation meets any).
     found = compile_facts.facts()
     ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
-    target = spec.target_bytes(baseline if not ratio else round(baseline / ratio))
+    if ratio is None:
+        target = spec.target_bytes(baseline)
+    else:
+        target = spec.target_bytes(round(baseline / ratio)) if ratio else max(baseline, spec.target_bytes(baseline))
 
     # A graph that is one of several (GraphFacts.bounds): its forward's end is what the
     # budget bounds, the bytes it holds while the rest of the step runs; its backward's
@@ -266,7 +272,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     def run(units_: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units_]
         candidate = Plan(pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes)
-        if ratio:
+        if ratio is not None:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
         if exact_first:  # the true times of what was chosen
@@ -284,7 +290,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
 
     # While a report records: the plan at every fraction of the saved bytes (its pareto).
     pareto: tuple[tuple[float, int, float, bool], ...] = ()
-    if records_observed():
+    if records_observed() and not trial:
         pareto = _pareto(run, [u for u in (choices, recipes()) if u is not None], baseline)
 
     # The fastest plan: storage options first; recompute (its recipes are only looked for
@@ -382,13 +388,13 @@ def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[b
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
 
 
-def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple[dict[fx.Node, Recipe], list[BudgetPlanSummary]]:
-    """Plan every budget pair among the ``candidates`` (the records of saved tensors with
-    hooks, aliases marked): each record a plan covers gets its option and that option's
-    hooks, or is kept or recomputed (``option``, ``decision``, ``reason``).  Returns the
-    recomputed saved tensors with their recipes, and each plan's summary."""
-    recomputed: dict[fx.Node, Recipe] = {}
-    summaries = []
+def fit_plans(candidates: list[SavedTensorRecord], facts: GraphFacts, trial: bool = False) -> list[tuple[HookPair, Plan, list[SavedTensorRecord], dict[fx.Node, fx.Node]]]:
+    """The fitted plan of every budget pair among the ``candidates`` (the records of saved
+    tensors with hooks, aliases marked): ``(pair, plan, the pair's packed records, their
+    aliases -> root)``.  Nothing is written or warned (:func:`apply_plans` does); a
+    ``trial`` (a partition weighed against another, ``partitioners``) skips the report's
+    pareto."""
+    fitted = []
     packed = [r for r in candidates if r.decision in (HOOKED, ALIAS)]
     for pair in dict.fromkeys(r.pair for r in candidates):
         spec = pair.kind.budget
@@ -403,7 +409,18 @@ def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple
         # reach the backward exact (no other hooks; this plan pins its own to keep).
         others = {r.node for r in packed if r.chosen is not pair}
         exact = facts.held | {s for s in facts.saved_tensors if s.name in facts.bw_inputs and s not in others}
-        result = plan(pair, spec, facts, members, plannable, aliases, exact)
+        fitted.append((pair, plan(pair, spec, facts, members, plannable, aliases, exact, trial=trial), mine, aliases))
+    return fitted
+
+
+def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple[dict[fx.Node, Recipe], list[BudgetPlanSummary]]:
+    """Plan every budget pair among the ``candidates`` (:func:`fit_plans`): each record a
+    plan covers gets its option and that option's hooks, or is kept or recomputed
+    (``option``, ``decision``, ``reason``).  Returns the recomputed saved tensors with their
+    recipes, and each plan's summary."""
+    recomputed: dict[fx.Node, Recipe] = {}
+    summaries = []
+    for pair, result, mine, aliases in fit_plans(candidates, facts):
         summaries.append(summarize(result, *facts.bounds))
         chosen = {s: c.chosen.name for c in result.choices for s in c.members}
         recipes = {c.members[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
