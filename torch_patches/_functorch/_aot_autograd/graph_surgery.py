@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import is_sym_node
 
 from torch_patches import config
+from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, Traced
 
 
@@ -354,22 +355,40 @@ def insert_unpack(
         _copy_into(bw_g, bw_module, gm, env, names, tag)
         result = env[out_node]
         if plan.restride:
-            val = plan.saved.meta["val"]
-            empty = bw_g.call_function(
-                torch.ops.aten.empty_strided.default,
-                (list(val.shape), list(val.stride())),
-                {"dtype": val.dtype, "device": val.device},
-            )
-            empty.meta["val"] = val.new_empty_strided(val.shape, val.stride())
-            empty.meta[HOOK_META] = dict(tag)
-            result = bw_g.call_function(torch.ops.aten.copy.default, (empty, result))
-            result.meta["val"] = empty.meta["val"]
-            result.meta[HOOK_META] = dict(tag)
+            result = _restride(bw_g, result, plan.saved.meta["val"], tag)
     for user in users_before:
         user.replace_input_with(bw_input, result)
     if not bw_input.users:
         bw_g.erase_node(bw_input)
     return new_inputs
+
+
+def _restride(bw_g: fx.Graph, result: fx.Node, val: torch.Tensor, tag: dict[str, Any]) -> fx.Node:
+    """``result`` (unpack's output) in the saved tensor's strides (``val``'s).  Static strides:
+    copied into an ``empty_strided`` of them.  Symbolic ones (``dynamic=True``) cannot be
+    spelled in the backward, whose symbols are bound only through its inputs: a dense saved
+    tensor's strides follow from its sizes and stride order, so the result is permuted to
+    that order, made contiguous and permuted back, every size read off the graph's tensors."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    def add(op: Any, args: tuple[Any, ...], meta: torch.Tensor, kwargs: dict[str, Any] | None = None) -> fx.Node:
+        node = bw_g.call_function(op, args, kwargs or {})
+        node.meta["val"], node.meta[HOOK_META] = meta, dict(tag)
+        return node
+
+    if not free_symbols((*val.shape, *val.stride())):
+        empty = add(
+            torch.ops.aten.empty_strided.default, (list(val.shape), list(val.stride())),
+            val.new_empty_strided(val.shape, val.stride()), {"dtype": val.dtype, "device": val.device},
+        )
+        return add(torch.ops.aten.copy.default, (empty, result), empty.meta["val"])
+    hint = hook_utils.size_hint
+    order = sorted(range(val.dim()), key=lambda d: (-hint(val.stride()[d]), -hint(val.shape[d])))
+    back = sorted(range(val.dim()), key=order.__getitem__)
+    contiguous = val.permute(order).contiguous()
+    permuted = add(torch.ops.aten.permute.default, (result, order), val.permute(order))
+    dense = add(torch.ops.aten.clone.default, (permuted,), contiguous, {"memory_format": torch.contiguous_format})
+    return add(torch.ops.aten.permute.default, (dense, back), contiguous.permute(back))
 
 
 def insert_recompute(
