@@ -81,7 +81,9 @@ class SavedTensorRecord:
             graph input's producer is its placeholder).
         decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`.
         decided_by: the phase that decided: ``"scope"`` (no hooks), ``"filter"``,
-            ``"select"``, ``"budget"``, ``"alias"``, or ``"hooks"`` (taken as its scope's).
+            ``"select"``, ``"budget"``, ``"alias"``, ``"hooks"`` (taken as its scope's), or
+            ``"partitioner"`` (the default partition saves it, the partitioner's knapsack
+            taken under a budget recomputes it: :data:`RECOMPUTED`).
         reason: why, in words (None for a plainly hooked tensor).
         hooks: the names of the hooks it takes (after selection and planning), or None.
         option: a budget plan's option for it (``"keep"``, ``"bf16"``, ..., ``"recompute"``).
