@@ -202,12 +202,8 @@ def _grad_outputs_bytes(fw_module: Any, inner_meta: Any) -> int:
 
 def _saved_activation_bytes(fw_module: Any, num_fwd_outputs: int) -> int:
     """Bytes of the tensors a partitioned forward saves that are not its inputs."""
-    outs = fw_module.graph.output_node().args[0][num_fwd_outputs:]
-    return sum(
-        hook_utils.nbytes_of(n)
-        for n in outs
-        if getattr(n, "op", "placeholder") != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-    )
+    saved = [n for n in fw_module.graph.output_node().args[0][num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
+    return _activation_bytes(saved, fw_module.graph.find_nodes(op="placeholder"))
 
 
 def _adopt(dst: Any, src: Any) -> None:
