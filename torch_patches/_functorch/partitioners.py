@@ -100,6 +100,11 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     return total
 
 
+def _device(nodes: Any) -> torch.device:
+    """The device of the first tensor among ``nodes``' values (the CPU if none)."""
+    return next((n.meta["val"].device for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+
+
 def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_info: Any) -> None:
     """While a report records: the partitioner's own saved set at each fraction 0.1 to 1.0
     (what ``activation_memory_budget = F`` gives), its activation bytes and the estimated
@@ -112,8 +117,7 @@ def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_in
     if found is None:
         return
     default = original(joint_graph, node_info, memory_budget=1)
-    device = next((n.meta["val"].device for n in default if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
-    rates = Rates.for_device(device)
+    rates = Rates.for_device(_device(default))
     found.stock_pareto.clear()
     for fraction in PARETO_FRACTIONS:
         saved = default if fraction == 1 else original(joint_graph, node_info, memory_budget=fraction)
@@ -239,7 +243,6 @@ def weigh_knapsack(
     records of what the default partition saves and it recomputes (``saved_tensor_records``,
     decided ``recomputed`` by the partitioner).  Compile time only."""
     from torch_patches._functorch._aot_autograd import inline_phases, saved_tensor_records as records
-    from torch_patches._functorch._aot_autograd.activation_budget.solver import _lossy
 
     if ambient is None or getattr(inner_meta, "tokens", None):
         return None
@@ -247,7 +250,7 @@ def weigh_knapsack(
         return None
     args = (num_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient)
     ours, default_records = inline_phases.trial_plans(fw_module, bw_module, *args)
-    if len(ours) != 1 or (ours[0].met and not any(_lossy(c.chosen) for c in ours[0].choices)):
+    if len(ours) != 1 or (ours[0].met and not ours[0].lossy):
         return None
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
     try:
@@ -285,9 +288,8 @@ def _better(ours: list[Any], theirs: list[Any], default: tuple[Any, Any], knapsa
     ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
     rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`)."""
     from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
-    from torch_patches._functorch._aot_autograd.activation_budget.solver import _lossy
 
-    if len(theirs) != 1 or any(_lossy(c.chosen) for c in theirs[0].choices):
+    if len(theirs) != 1 or theirs[0].lossy:
         return False, "kept out: its plan is not exact"
     mine, knap = ours[0], theirs[0]
     scores = _score(knap, after), _score(mine, after)
@@ -297,8 +299,7 @@ def _better(ours: list[Any], theirs: list[Any], default: tuple[Any, Any], knapsa
         return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
     if not knap.met:
         return False, "kept out: it misses the budget the plan meets"
-    device = next((n.meta["val"].device for n in default[0].graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
-    rates = Rates.for_device(device)
+    rates = Rates.for_device(_device(default[0].graph.nodes))
     base = graph_compute_ms(default[0].graph, default[1].graph, rates)
     extra = graph_compute_ms(knapsack[0].graph, knapsack[1].graph, rates) - base
     allowed = mine.estimated_ms + config.activation_budget_lossy_margin * base

@@ -36,7 +36,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     Option,
     Plan,
     Span,
-    _lossy,
     _on_hull,
     _penalized,
     _unpenalized,
@@ -303,7 +302,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
             fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.bounded[0] if not p.met else 0))
     if not fastest.met:
         return _with_pareto(_floor_plan(run, [u for u in (choices, recomputable) if u is not None], target), pareto)
-    if all(c.chosen.name == KEEP for c in fastest.choices) or not any(_lossy(c.chosen) for c in fastest.choices):
+    if not fastest.lossy:
         return _with_pareto(fastest, pareto)  # nothing lossy to avoid
     # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
     # each tier at the least time; taken unless the fastest is faster by more than the margin.

@@ -199,6 +199,11 @@ class Plan:
         return sum(c.chosen.ms for c in self.choices)
 
     @property
+    def lossy(self) -> bool:
+        """Whether any storage is stored lossily (bf16, int8, fp8)."""
+        return any(_lossy(c.chosen) for c in self.choices)
+
+    @property
     def met(self) -> bool:
         return self.bounded[0] <= self.budget_bytes
 
