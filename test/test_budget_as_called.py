@@ -63,6 +63,25 @@ class TestHeldBytes(TestCase):
         self.assertEqual(without["output"], 32 * 4)  # the plan's own storage left out
         self.assertFalse(working_set.materialized(next(n for n in gm.graph.nodes if n.name == "sigmoid")))
 
+    def test_zeros_for_dropped_outputs_die_at_their_last_use(self, device: str) -> None:
+        # A backward whose forward returned a scalar loss beside an output the caller drops
+        # (HF's logits): where autograd hands a compiled backward its gradients in a list
+        # the backward empties (torch 2.13 on), the zeros it makes for the dropped output die
+        # at their last use; before, and for the loss's real gradient, at the graph's end.
+        def bw(tangents_1: torch.Tensor, tangents_2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h = tangents_2 @ w  # the dropped output's gradient, last read here
+            return (h * 2).sum(0) * tangents_1
+
+        gm = make_fx(bw)(torch.ones((), device=device), torch.zeros(16, 8, device=device), torch.randn(8, 32, device=device))
+        dropped = working_set.dropped_tangents(gm.graph)
+        boxed = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
+        self.assertEqual(sorted(n.name for n in dropped), ["tangents_2_1"] if boxed else [])
+        names = [n.name for n in gm.graph.nodes]
+        held = dict(zip(names, working_set.held_bytes(gm.graph, dropped=dropped)))
+        scalar, big, w, mm = 4, 16 * 8 * 4, 8 * 32 * 4, 16 * 32 * 4
+        self.assertEqual(held["mm"], scalar + big + w + mm)
+        self.assertEqual(held["sum_1"], scalar + w + mm + 32 * 4 + (0 if boxed else big))
+
 
 class TestOutputAliases(TestCase):
     def records(self, device: str, hooks: tuple) -> list:

@@ -11,7 +11,9 @@ reads them off the graphs (compile time, pure fx):
   after that node runs, storages counted once (views share their base's), the saved tensors
   left out (the plan models them).  A tensor is alive from the node that makes it to the
   last node reading it (or one of its views); an output of the graph to the graph's end, and
-  so is an input (a backward's incoming gradients, held by autograd for the call).
+  so is an input (a backward's incoming gradients, held by autograd for the call), except
+  the zeros autograd makes for outputs the caller dropped where it hands the compiled
+  backward its gradients in a list the backward empties (:func:`dropped_tangents`).
   Under Inductor a pointwise op all of whose readers are pointwise ops or reductions is
   fused into them and never materialised (:func:`materialized`): counted as nothing, and
   what it reads stays alive until the kernel it is fused into has run (:func:`kernel_ends`).
@@ -33,7 +35,7 @@ from torch_patches._functorch._aot_autograd import activation_inputs as act_inpu
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 
 
-__all__ = ["held_bytes", "kernel_ends", "materialized", "predicted_peak"]
+__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak"]
 
 
 def _tagged(node: fx.Node, *tags: Any) -> bool:
@@ -98,15 +100,35 @@ def kernel_ends(graph: fx.Graph) -> list[int]:
     return out
 
 
-def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True) -> list[int]:
+def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
+    """The incoming gradients of a backward that are most likely zeros autograd makes for
+    outputs the caller dropped, and that die at their last use: where autograd hands a
+    compiled backward its gradients in a list the backward empties (``boxed_grads_call``,
+    torch 2.13 on), those zeros are held by nothing else (a real gradient stays in the
+    engine's buffer for the call).  Which outputs the caller drops is known at runtime
+    only; a forward returning a scalar that requires grad (a 0-dim incoming gradient) returns
+    its step's loss, and its other outputs are taken as dropped (HF's logits and cache beside
+    the loss)."""
+    if not hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed"):
+        return set()
+    tangents = [n for n in bw_g.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    vals = [n.meta.get("val") for n in tangents]
+    if not any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in vals):
+        return set()
+    return {n for n, v in zip(tangents, vals) if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True, dropped: Iterable[fx.Node] = ()) -> list[int]:
     """Bytes of ``graph``'s own tensors alive right after each node (see the module);
     ``excluded``: nodes whose storages are not counted (the saved tensors); ``inputs``:
     whether the graph's inputs count (a backward's incoming gradients do, to the graph's end:
     autograd passes them to the compiled backward in arguments it holds until the call
-    returns; a forward's inputs were held by the caller before the step)."""
+    returns; a forward's inputs were held by the caller before the step); ``dropped``:
+    inputs that die at their last use instead (:func:`dropped_tangents`)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     skip = {act_inputs.storage_root(n) for n in excluded}
+    dropped = set(dropped)
     end = len(nodes)
     ends = kernel_ends(graph)
     last: dict[fx.Node, int] = {}
@@ -123,7 +145,8 @@ def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool =
             diff[pos[n]] += nbytes
             # An input lives to the graph's end: autograd holds a backward's incoming
             # gradients in the arguments of the call until it returns.
-            diff[end if n.op == "placeholder" else min(end, max(last.get(n, pos[n]), pos[n]) + 1)] -= nbytes
+            held_to_end = n.op == "placeholder" and n not in dropped
+            diff[end if held_to_end else min(end, max(last.get(n, pos[n]), pos[n]) + 1)] -= nbytes
     out, total = [], 0
     for d in diff[:end]:
         total += d
@@ -140,7 +163,7 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
     fw_held = held_bytes(fw_g, saved, inputs=False)
-    bw_held = held_bytes(bw_g, bw_saved)
+    bw_held = held_bytes(bw_g, bw_saved, dropped=dropped_tangents(bw_g))
     bw_ends = kernel_ends(bw_g)
     diff = [0] * (len(fw_nodes) + 1)
     planned = set()
