@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import unittest
 
 import pytest
@@ -177,9 +178,49 @@ class TestPredictedPeak(TestCase):
         self.assert_predicted_within_a_tenth(step, device)
 
 
+class TestAtOrBelowStock(TestCase):
+    @pytest.mark.slow
+    def test_hf_default_call_at_or_below_stock(self, device: str) -> None:
+        # HF GPT-2 at HF's default call, compiled whole (the loss after a graph break) at
+        # 0.3: the model's graph met the budget with int8 while stock's knapsack, exact but
+        # estimated slower than the margin allows, held less at its forward's end beside
+        # the logits the loss reads (0.74x of no hooks against stock's 0.72x). The plan is
+        # fitted under what the knapsack holds: the step at or below stock's peak (within
+        # the allocator's rounding, 1%).
+        try:
+            from torch_patches.bench.models import hf_gpt2
+
+            lm = hf_gpt2(vocab=8192, dim=256, layers=2, heads=4, seq=256).to(device)
+        except ImportError:
+            raise unittest.SkipTest("needs transformers")
+        ids = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
+        peaks = {}
+        for row in ("budget", "stock"):
+            torch._dynamo.reset()
+            compiled = torch.compile(lm)
+            hooks = budget(0.3) if row == "budget" else None
+
+            def step() -> None:
+                with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+                    loss = compiled(input_ids=ids, labels=ids).loss
+                loss.backward()
+                lm.zero_grad(set_to_none=True)
+
+            with torch._functorch.config.patch(activation_memory_budget=1.0 if hooks else 0.3), \
+                    torch._inductor.config.patch(force_disable_caches=True), saved_tensor_records() as found:
+                step()
+                peaks[row] = peak_bytes(step, device)
+            if hooks:
+                plans = [p for g in found for p in g.plans]
+        self.assertLessEqual(peaks["budget"], 1.01 * peaks["stock"], peaks)
+        if device == "cpu":  # the CPU's cost model: the knapsack estimated slower than int8
+            self.assertTrue(any("what the partitioner's knapsack at the fraction holds" in p.preference for p in plans), plans)
+
+
 instantiate_device_type_tests(TestHeldBytes, globals())
 instantiate_device_type_tests(TestOutputAliases, globals())
 instantiate_device_type_tests(TestPredictedPeak, globals())
+instantiate_device_type_tests(TestAtOrBelowStock, globals())
 
 
 if __name__ == "__main__":

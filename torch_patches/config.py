@@ -131,8 +131,9 @@ activation_budget_kernel_overhead_us: float | None = None
 # partition then sits at its floor, or meets the budget only with lossy storage, the
 # partitioner's knapsack at the fraction (activation_memory_budget's own) is weighed against
 # it: taken where it holds less than the floor, or where it is exact and costs at most the
-# lossy plan's time plus activation_budget_lossy_margin. False: neither; the plan starts
-# from the default partition.
+# lossy plan's time plus activation_budget_lossy_margin; where it holds less but costs more,
+# the plan is fitted under what it holds (the knapsack taken where the plan cannot reach it
+# faster). False: neither; the plan starts from the default partition.
 activation_budget_partitioner_recompute: bool = True
 # Among plans that meet the budget, the plan prefers exact options (keep, offload,
 # recompute) to bf16 and bf16 to fp8, unless a lossier plan is estimated faster by more

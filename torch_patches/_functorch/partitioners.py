@@ -29,7 +29,11 @@ the forward's end first where the graph is one of several of its step, each of t
 its saved bytes while the others run; else the step's peak as the graph sees it).  Against
 lossy storage, the knapsack is taken when its extra compute costs no more than the lossy
 plan's estimated time plus ``config.activation_budget_lossy_margin`` of the graph's compute:
-exact first, as the plan's own choice between its plans.  Budget pairs entered inside a
+exact first, as the plan's own choice between its plans.  Where it costs more but holds less
+than the lossy plan, ``budget(F)`` would peak above ``activation_memory_budget = F``: the
+plan is fitted again under what the knapsack holds (:func:`_fit_under`,
+``CompileFacts.budget_cap``) and kept where it reaches it faster by more than the margin;
+else the knapsack is taken.  Budget pairs entered inside a
 compiled region plan their own scope and leave the partition alone.
 """
 
@@ -146,11 +150,13 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         if fraction is None:
             return original(joint_graph, node_info, memory_budget=memory_budget)
         default = original(joint_graph, node_info, memory_budget=1)
+        found = compile_facts.facts()
+        if found is not None:
+            found.budget_cap = None
         cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
         full = _activation_bytes(default, node_info.inputs)
         ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
         artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-        found = compile_facts.facts()
         if found is not None:
             found.partition_cheap_ratio = ratio
         if ratio > fraction and found is not None and full:
@@ -183,7 +189,7 @@ def _score(plan: Any, after_bytes: int) -> tuple[int, int]:
     :func:`_grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
     more; then its own predicted peak."""
     predicted = plan.predicted[0] if plan.predicted else plan.peak[0]
-    if plan.backward_bytes is not None:
+    if plan.bounded_at == "forward_end":
         return plan.bounded[0], predicted
     return max(predicted, plan.predicted_bytes + after_bytes), predicted
 
@@ -265,11 +271,17 @@ def weigh_knapsack(
     found = compile_facts.facts()
     found.partition_budget_ratio = ratio
     theirs, taken_records = inline_phases.trial_plans(fw_k, bw_k, *args)
-    taken, why = _better(ours, theirs, (fw_module, bw_module), (fw_k, bw_k), _grad_outputs_bytes(fw_module, inner_meta))
+    after, extra = _grad_outputs_bytes(fw_module, inner_meta), _extra_ms((fw_module, bw_module), (fw_k, bw_k))
+    taken, why = _better(ours, theirs, extra, after)
+    if taken is None:  # exact, holding less, but slower than the lossy plan and its margin
+        found.partition_budget_ratio = None
+        refit = lambda: inline_phases.trial_plans(fw_module, bw_module, *args)[0]  # noqa: E731
+        taken, why = _fit_under(theirs[0], ours[0], why, after, extra, refit)
     artifact.debug("budget %.3g: the partitioner's knapsack (%.3f of the activation bytes) %s", retry.fraction, ratio, why)
     if not taken:
         found.partition_budget_ratio = None
         return None
+    found.partition_budget_ratio, found.budget_cap = ratio, None
     _adopt(fw_module, fw_k)
     _adopt(bw_module, bw_k)
     kept = {r.name for r in taken_records}
@@ -280,15 +292,15 @@ def weigh_knapsack(
     return dropped
 
 
-def _better(ours: list[Any], theirs: list[Any], default: tuple[Any, Any], knapsack: tuple[Any, Any], after: int) -> tuple[bool, str]:
+def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], after: int) -> tuple[bool | None, str]:
     """Whether the knapsack's partition (its plan ``theirs``) is taken over the default's
     (``ours``), and why in words.  Where our plan misses the budget: the lower score
     (:func:`_score`).  Where it meets it with lossy storage: the knapsack when it meets it
     too, exactly, and its recomputation costs at most our plan's estimated time plus
     ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
-    rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`)."""
-    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
-
+    rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`;
+    ``extra``: :func:`_extra_ms`).  None where it costs more than that but holds less than
+    our plan: ``weigh_knapsack`` fits our plan under it (:func:`_fit_under`)."""
     if len(theirs) != 1 or theirs[0].lossy:
         return False, "kept out: its plan is not exact"
     mine, knap = ours[0], theirs[0]
@@ -299,10 +311,62 @@ def _better(ours: list[Any], theirs: list[Any], default: tuple[Any, Any], knapsa
         return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
     if not knap.met:
         return False, "kept out: it misses the budget the plan meets"
+    allowed = mine.estimated_ms + extra[1]
+    if extra[0] <= allowed:
+        return True, f"taken over the plan's lossy storage: exact, recomputing for {extra[0]:.3f} ms <= {allowed:.3f} ms"
+    why = f"its recomputation {extra[0]:.3f} ms > {allowed:.3f} ms, the lossy plan's time and margin"
+    if scores[0][0] < scores[1][0]:
+        return None, why
+    return False, f"kept out: {why}"
+
+
+def _extra_ms(default: tuple[Any, Any], knapsack: tuple[Any, Any]) -> tuple[float, float]:
+    """The knapsack's partition's estimated compute beyond the default partition's, and
+    ``config.activation_budget_lossy_margin`` of the default's, in ms."""
+    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
+
     rates = Rates.for_device(_device(default[0].graph.nodes))
     base = graph_compute_ms(default[0].graph, default[1].graph, rates)
-    extra = graph_compute_ms(knapsack[0].graph, knapsack[1].graph, rates) - base
-    allowed = mine.estimated_ms + config.activation_budget_lossy_margin * base
-    if extra <= allowed:
-        return True, f"taken over the plan's lossy storage: exact, recomputing for {extra:.3f} ms <= {allowed:.3f} ms"
-    return False, f"kept out: its recomputation {extra:.3f} ms > {allowed:.3f} ms, the lossy plan's time and margin"
+    return graph_compute_ms(knapsack[0].graph, knapsack[1].graph, rates) - base, config.activation_budget_lossy_margin * base
+
+
+def _fit_under(
+    knap: Any, mine: Any, why: str, after: int, extra: tuple[float, float], refit: Callable[[], list[Any]]
+) -> tuple[bool, str]:
+    """Where the knapsack's partition (its plan ``knap``) holds less than our lossy plan
+    ``mine`` (:func:`_score`) but recomputes more slowly than its time and margin
+    (``extra``: :func:`_extra_ms`): our plan is fitted again under what the knapsack holds
+    (``refit``: the trial under ``CompileFacts.budget_cap``; where the score is what the
+    forward's end holds while the rest of the step runs, that point's bytes, else every
+    point's), so that ``budget(F)`` holds no more than ``activation_memory_budget = F``.
+    That plan is kept, its cap left on the facts for the phases' fit, where it reaches the
+    knapsack's score and is still estimated faster by more than the margin; else the
+    knapsack is taken."""
+    found = compile_facts.facts()
+    goal = _score(knap, after)[0]
+    for _ in range(3):  # the bytes the budget bounds and the step's peak move together, not 1:1
+        held = _score(mine, after)[0]
+        if held <= goal:
+            break
+        at_end = mine.bounded_at == "forward_end" or mine.predicted_bytes + after >= held
+        bound = mine.predicted_bytes if at_end and mine.bounded_at != "forward_end" else mine.bounded[0]
+        found.budget_cap = (bound - (held - goal), at_end)
+        fitted = refit()
+        if len(fitted) != 1 or not fitted[0].met or _score(fitted[0], after)[0] >= held:
+            break
+        mine = fitted[0]
+    held = _score(mine, after)[0]
+    if held > goal:
+        found.budget_cap = None
+        return True, f"taken: {why}, but it holds {goal} B where the plan's options hold {held} B at least"
+    allowed = mine.estimated_ms + extra[1]
+    if extra[0] <= allowed:
+        found.budget_cap = None
+        return True, (
+            f"taken: it holds {goal} B; the plan fitted under it (estimated {mine.estimated_ms:.3f} ms) leaves its "
+            f"recomputation {extra[0]:.3f} ms <= {allowed:.3f} ms"
+        )
+    return False, (
+        f"kept out: {why}; the plan is fitted under what it holds instead ({held} B against its {goal} B, "
+        f"estimated {mine.estimated_ms:.3f} ms)"
+    )

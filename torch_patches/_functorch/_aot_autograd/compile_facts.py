@@ -50,6 +50,12 @@ class CompileFacts:
     #: partition can be redone from at that fraction, ``partitioners.PartitionRetry`` (set by
     #: the partitioner patch, taken by the inliner's driver: :func:`take_partition_retry`).
     partition_retry: Any = None
+    #: Under an ambient fractional budget whose plan stores lossily where the partitioner's
+    #: knapsack at the fraction holds less but recomputes too slowly: ``(bytes, forward's
+    #: end only)``, the bound the plan is fitted under besides the fraction's, so that it
+    #: holds no more than that partition (set by the partitioner patch's weighing, read by
+    #: the budget plan).
+    budget_cap: tuple[int, bool] | None = None
     #: While a report records: the partitioner's saved set at each activation_memory_budget
     #: fraction, ``(fraction, saved activation bytes, estimated recomputation ms)`` (set by
     #: the partitioner patch, copied onto the records by the inliner).

@@ -267,10 +267,20 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # points may hold up to what it saves without hooks (only a recomputation's ops could
     # hold more).
     backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
+    # Fitted under what the partitioner's knapsack at the fraction holds, where that is less
+    # and the knapsack recomputes too slowly (partitioners.weigh_knapsack): at or below the
+    # step's peak that activation_memory_budget gives.  Bounding the forward's end only, the
+    # backward's points keep the fraction's bound.
+    cap, forward_end_only = (found.budget_cap if found is not None and pair.label == "ambient" else None) or (None, False)
+    capped = cap is not None and cap < target
+    if capped:
+        if forward_end_only and backward_bytes is None:
+            backward_bytes = target
+        target = cap
 
     def run(units_: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units_]
-        candidate = Plan(pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes)
+        candidate = Plan(pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes, facts.bounds[0])
         if ratio is not None:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
@@ -292,6 +302,12 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     if records_observed() and not trial:
         pareto = _pareto(run, [u for u in (choices, recipes()) if u is not None], baseline)
 
+    def done(result: Plan, pareto: tuple[tuple[float, int, float, bool], ...]) -> Plan:
+        if capped:
+            at = "its forward's end" if forward_end_only else "every point"
+            result.preference += f"; {at} fitted under {cap} B, what the partitioner's knapsack at the fraction holds"
+        return _with_pareto(result, pareto)
+
     # The fastest plan: storage options first; recompute (its recipes are only looked for
     # then) where they cannot meet the budget.
     fastest = run(choices)
@@ -301,9 +317,9 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
         if recomputable is not None:
             fastest = min([fastest, run(recomputable)], key=lambda p: (not p.met, p.bounded[0] if not p.met else 0))
     if not fastest.met:
-        return _with_pareto(_floor_plan(run, [u for u in (choices, recomputable) if u is not None], target), pareto)
+        return done(_floor_plan(run, [u for u in (choices, recomputable) if u is not None], target), pareto)
     if not fastest.lossy:
-        return _with_pareto(fastest, pareto)  # nothing lossy to avoid
+        return done(fastest, pareto)  # nothing lossy to avoid
     # The least lossy plan: exact options (keep, offload, recompute) before bf16 before fp8,
     # each tier at the least time; taken unless the fastest is faster by more than the margin.
     if recomputable is None:
@@ -318,12 +334,12 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     least_lossy = min([*tried, fastest], key=lambda p: (not p.met, _loss(p), p.estimated_ms))
     margin = config.activation_budget_lossy_margin * graph_compute_ms(facts.fw_g, facts.bw_g, units.rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
-        return _with_pareto(least_lossy, pareto)
+        return done(least_lossy, pareto)
     fastest.preference = (
         f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}"
         + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
     )
-    return _with_pareto(fastest, pareto)
+    return done(fastest, pareto)
 
 
 def _ahead_bytes(result: Plan, graphs: int) -> int:

@@ -117,6 +117,9 @@ class Plan:
     #: that is one of several graphs of a step: the budget bounds its forward's end); None:
     #: the budget bounds every point.
     backward_bytes: int | None = None
+    #: Which points the budget bounds (``GraphFacts.bounds``): ``"forward_end"`` where the
+    #: graph is one of several of its step, else ``"every_point"``.
+    bounded_at: str = "every_point"
     #: Bytes the backward's points hold besides the plan's own storages: the reloads of the
     #: graphs autograd runs next, started ahead while this graph's backward runs (set once
     #: the plan is fitted; the backward's points may hold them on top of their bound).
