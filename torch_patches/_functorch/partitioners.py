@@ -311,8 +311,8 @@ def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], afte
         return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
     if not knap.met:
         return False, "kept out: it misses the budget the plan meets"
-    allowed = mine.estimated_ms + extra[1]
-    if extra[0] <= allowed:
+    in_time, allowed = _in_time(mine, extra)
+    if in_time:
         return True, f"taken over the plan's lossy storage: exact, recomputing for {extra[0]:.3f} ms <= {allowed:.3f} ms"
     why = f"its recomputation {extra[0]:.3f} ms > {allowed:.3f} ms, the lossy plan's time and margin"
     if scores[0][0] < scores[1][0]:
@@ -328,6 +328,13 @@ def _extra_ms(default: tuple[Any, Any], knapsack: tuple[Any, Any]) -> tuple[floa
     rates = Rates.for_device(_device(default[0].graph.nodes))
     base = graph_compute_ms(default[0].graph, default[1].graph, rates)
     return graph_compute_ms(knapsack[0].graph, knapsack[1].graph, rates) - base, config.activation_budget_lossy_margin * base
+
+
+def _in_time(mine: Any, extra: tuple[float, float]) -> tuple[bool, float]:
+    """Whether the knapsack's recomputation (``extra``: :func:`_extra_ms`) costs at most our
+    lossy plan ``mine``'s estimated time plus the margin, and that allowance in ms."""
+    allowed = mine.estimated_ms + extra[1]
+    return extra[0] <= allowed, allowed
 
 
 def _fit_under(
@@ -359,8 +366,8 @@ def _fit_under(
     if held > goal:
         found.budget_cap = None
         return True, f"taken: {why}, but it holds {goal} B where the plan's options hold {held} B at least"
-    allowed = mine.estimated_ms + extra[1]
-    if extra[0] <= allowed:
+    in_time, allowed = _in_time(mine, extra)
+    if in_time:
         found.budget_cap = None
         return True, (
             f"taken: it holds {goal} B; the plan fitted under it (estimated {mine.estimated_ms:.3f} ms) leaves its "
