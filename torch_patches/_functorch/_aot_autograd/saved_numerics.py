@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient
 from torch_patches.hooks import numerics
 from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
 
@@ -82,9 +83,8 @@ def tangent_dependent(bw_g: fx.Graph) -> set[fx.Node]:
     """The backward nodes that depend on an incoming gradient (a ``tangents_*`` input)."""
     out: set[fx.Node] = set()
     for node in bw_g.nodes:
-        if node.op == "placeholder":
-            if "tangents" in str(node.target):
-                out.add(node)
+        if is_incoming_gradient(node):
+            out.add(node)
         elif any(a in out for a in node.all_input_nodes):
             out.add(node)
     return out

@@ -63,6 +63,12 @@ def nbytes_of(node: torch.fx.Node) -> int:
     return numel * val.element_size()
 
 
+def is_incoming_gradient(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a backward graph's incoming gradient (AOTAutograd's
+    ``tangents_*`` placeholders)."""
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
 def hook_name(fn: Any) -> str:
     """A human name for a hook, for errors and logs."""
     if isinstance(fn, torch.fx.GraphModule):

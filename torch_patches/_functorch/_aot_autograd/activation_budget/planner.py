@@ -255,8 +255,8 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # The partitioner's recomputation met an ambient budget (torch_patches/_functorch/
     # partitioners.py): the budget is a fraction of the default partition's bytes (a
     # partition that saves no activation meets any).
-    found = compile_facts.facts()
-    ratio = found.partition_budget_ratio if found is not None and pair.label == "ambient" else None
+    found = compile_facts.facts() if pair.label == "ambient" else None
+    ratio = found.partition_budget_ratio if found is not None else None
     if ratio is None:
         target = spec.target_bytes(baseline)
     else:
@@ -271,7 +271,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # and the knapsack recomputes too slowly (partitioners.weigh_knapsack): at or below the
     # step's peak that activation_memory_budget gives.  Bounding the forward's end only, the
     # backward's points keep the fraction's bound.
-    cap, forward_end_only = (found.budget_cap if found is not None and pair.label == "ambient" else None) or (None, False)
+    cap, forward_end_only = (found.budget_cap if found is not None else None) or (None, False)
     capped = cap is not None and cap < target
     if capped:
         if forward_end_only and backward_bytes is None:

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
-from torch_patches._functorch._aot_autograd.utils import nbytes_of
+from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient, nbytes_of
 
 
 __all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak"]
@@ -111,7 +111,7 @@ def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
     the loss)."""
     if not hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed"):
         return set()
-    tangents = [n for n in bw_g.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    tangents = [n for n in bw_g.find_nodes(op="placeholder") if is_incoming_gradient(n)]
     vals = [n.meta.get("val") for n in tangents]
     if not any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in vals):
         return set()
