@@ -449,17 +449,59 @@ def drop_dead_recomputed(fw_g: fx.Graph, nodes: list[fx.Node]) -> None:
             fw_g.erase_node(node)
 
 
+def saved_backward_inputs(
+    fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_inner_fwd_outputs: int
+) -> dict[str, fx.Node]:
+    """The backward's input for each forward output saved for it, by the forward node's name.
+
+    AOTAutograd hands saved values over by position, not by name: the forward returns
+    (inner outputs, saved values, symints), the backward takes (symints, saved values,
+    incoming gradients...).  A name is no guide: the partitioner's RNG functionalization
+    saves ``getitem_4`` (the state ``run_and_save_rng_state`` returned, under activation
+    checkpointing's recomputed dropout) as the backward's ``rng_state_output_0``.  Each pair
+    is checked (both symbolic, or both tensors of one dtype and rank); a graph pair that
+    breaks the convention raises :class:`SavedOutputsMismatch`."""
+    saved = list(fw_module.graph.output_node().args[0])[num_inner_fwd_outputs:]
+    n_syms = 0
+    while n_syms < len(saved) and isinstance(saved[-1 - n_syms], fx.Node) and is_sym_node(saved[-1 - n_syms]):
+        n_syms += 1
+    ordered = saved[len(saved) - n_syms :] + saved[: len(saved) - n_syms]
+    placeholders = bw_module.graph.find_nodes(op="placeholder")
+    if len(placeholders) < len(ordered):
+        raise SavedOutputsMismatch(f"{len(ordered)} saved forward outputs for {len(placeholders)} backward inputs")
+    out: dict[str, fx.Node] = {}
+    for fw_node, bw_node in zip(ordered, placeholders):
+        if not isinstance(fw_node, fx.Node):
+            raise SavedOutputsMismatch(f"saved forward output {fw_node!r} is not a graph node")
+        if hook_utils.is_incoming_gradient(bw_node) or not _same_kind(fw_node.meta.get("val"), bw_node.meta.get("val")):
+            raise SavedOutputsMismatch(f"saved forward output {fw_node.name} does not match backward input {bw_node.name}")
+        out[fw_node.name] = bw_node
+    return out
+
+
+class SavedOutputsMismatch(AssertionError):
+    """The forward's saved outputs and the backward's inputs break AOTAutograd's convention."""
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
+    return type(a) is type(b)
+
+
 def rewire_saved(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
     num_inner_fwd_outputs: int,
     packed_leaves: dict[fx.Node, list[Any]],
     bw_input_of: dict[fx.Node, fx.Node],
+    bw_inputs: dict[str, fx.Node],
     extra_saved: list[fx.Node] = (),  # type: ignore[assignment]
 ) -> None:
     """Replace hooked saved tensors by their packed leaves in the fw outputs/bw inputs;
     ``extra_saved``: forward nodes the backward reads besides (the hooks' graph inputs,
-    ``bw_input_of`` gives their backward inputs).
+    ``bw_input_of`` gives their backward inputs); ``bw_inputs``: the backward input of each
+    saved forward output left as it was (:func:`saved_backward_inputs`).
 
     Calling convention kept: forward outputs are (inner outputs, tensors saved with
     version-counter check, tensors saved without, opaque objects, symints); backward
@@ -509,11 +551,10 @@ def rewire_saved(
 
     # Backward inputs in the same order, by name; everything else keeps its place.
     bw_g = bw_module.graph
-    by_name = {n.name: n for n in bw_g.find_nodes(op="placeholder")}
     order = [syms + new_syms, t_vc, t_novc, opaque]
-    wanted = [bw_input_of.get(n) or by_name[n.name] for group in order for n in group]
-    if len(wanted) != len(new_saved):
-        raise AssertionError("backward inputs do not match the saved forward outputs")
+    wanted = [bw_input_of.get(n) or bw_inputs.get(n.name) for group in order for n in group]
+    if None in wanted or len(wanted) != len(new_saved):
+        raise SavedOutputsMismatch("backward inputs do not match the saved forward outputs")
     wanted_set = set(wanted)
     rest = [n for n in bw_g.find_nodes(op="placeholder") if n not in wanted_set]
     cursor: fx.Node | None = None

@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torch_patches import _logging as tp_logging, config
-from torch_patches._functorch._aot_autograd import compile_facts, hook_scopes
+from torch_patches._functorch._aot_autograd import checkpointed, compile_facts, hook_scopes
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
     activation_inputs as act_inputs,
@@ -283,7 +283,9 @@ class _GraphPair:
             for n in fw_outs[self.num_inner_fwd_outputs :]
             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
         ]
-        self.bw_inputs = {n.name: n for n in self.bw_module.graph.find_nodes(op="placeholder")}
+        # The backward input of each saved tensor, by its forward name (by position:
+        # AOTAutograd's convention; the names may differ).
+        self.bw_inputs = graph_surgery.saved_backward_inputs(self.fw_module, self.bw_module, self.num_inner_fwd_outputs)
         self.sources = getattr(self.aot_config, "aot_autograd_arg_pos_to_source", None)
         self.artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
 
@@ -338,8 +340,8 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
     if all(pair is None for _, pair in scoped):
         if publish and records.observed():  # a report: what a graph without hooks saves
             records.publish(records.CompiledSavedTensors(
-                [records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
-                 for n in graphs.saved_tensors],
+                _checkpointed([records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
+                               for n in graphs.saved_tensors], graphs, bw_order, fw_order),
                 stock_pareto=stock_pareto(), **lengths,
             ))
         return None
@@ -348,7 +350,24 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
         records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
         for n, pair in scoped
     ]
-    return records.CompiledSavedTensors(all_records, stock_pareto=stock_pareto(), **lengths)
+    return records.CompiledSavedTensors(_checkpointed(all_records, graphs, bw_order, fw_order), stock_pareto=stock_pareto(), **lengths)
+
+
+def _checkpointed(
+    saved: list[records.SavedTensorRecord], graphs: _GraphPair, bw_order: dict[fx.Node, int], fw_order: dict[fx.Node, int]
+) -> list[records.SavedTensorRecord]:
+    """The saved tensors' records with their part in activation checkpointing
+    (``checkpointed.role``), and after them a record of each tensor a checkpoint recomputes
+    instead (decided ``recomputed`` by ``"checkpoint"``; no phase sees these)."""
+    for r in saved:
+        r.checkpoint = checkpointed.role(r.node)
+    extra = []
+    for node, why in checkpointed.recomputed(graphs.fw_module.graph, graphs.bw_module.graph):
+        r = records.collect(node, None, bw_order, None, act_inputs.storage_root(node), None, fw_order, graphs.sources)
+        r.leave("checkpoint", why, records.RECOMPUTED)
+        r.node = None  # not a saved tensor of this graph pair: no phase reads it
+        extra.append(r)
+    return saved + extra
 
 
 def _prepare(
@@ -420,7 +439,8 @@ def trial_plans(
     candidates = [r for r in compiled.records if r.pair is not None]
     facts, _, _ = _prepare(graphs, candidates)
     fitted = activation_budget.fit_plans(candidates, facts, trial=True)
-    return [result for pair, result, _, _ in fitted if pair.label == ambient.label], compiled.records
+    saved = [r for r in compiled.records if r.decided_by != "checkpoint"]  # not checkpointed.recomputed's
+    return [result for pair, result, _, _ in fitted if pair.label == ambient.label], saved
 
 
 def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> list[graph_surgery.SavedPlan]:
@@ -520,7 +540,9 @@ def _rewrite(
             read_back.append(fw_node)
         else:
             bw_g.erase_node(bw_node)
-    graph_surgery.rewire_saved(fw_module, bw_module, graphs.num_inner_fwd_outputs, packed_leaves, bw_input_of, read_back)
+    graph_surgery.rewire_saved(
+        fw_module, bw_module, graphs.num_inner_fwd_outputs, packed_leaves, bw_input_of, bw_inputs, read_back
+    )
     graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
     fw_g.lint()
     bw_g.lint()

@@ -81,9 +81,10 @@ class SavedTensorRecord:
             graph input's producer is its placeholder).
         decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`.
         decided_by: the phase that decided: ``"scope"`` (no hooks), ``"filter"``,
-            ``"select"``, ``"budget"``, ``"alias"``, ``"hooks"`` (taken as its scope's), or
+            ``"select"``, ``"budget"``, ``"alias"``, ``"hooks"`` (taken as its scope's),
             ``"partitioner"`` (the default partition saves it, the partitioner's knapsack
-            taken under a budget recomputes it: :data:`RECOMPUTED`).
+            taken under a budget recomputes it: :data:`RECOMPUTED`), or ``"checkpoint"``
+            (activation checkpointing recomputes it: :data:`RECOMPUTED`, never saved).
         reason: why, in words (None for a plainly hooked tensor).
         hooks: the names of the hooks it takes (after selection and planning), or None.
         option: a budget plan's option for it (``"keep"``, ``"bf16"``, ..., ``"recompute"``).
@@ -93,6 +94,11 @@ class SavedTensorRecord:
             its unpack precedes (the first use, ``unpack_prefetch_distance`` earlier).
         aliases_output: it shares its storage with an output of the forward (a budget plan
             stores it otherwise all the same: the caller drops such outputs after the forward).
+        checkpoint: its part in activation checkpointing, in words (``checkpointed.role``:
+            an input a checkpointed region is recomputed from, a tensor a selective
+            checkpoint's policy keeps), None outside checkpointing.  A tensor a checkpoint
+            recomputes is not saved: its record is :data:`RECOMPUTED`, decided by
+            ``"checkpoint"``.
     """
 
     name: str
@@ -120,6 +126,7 @@ class SavedTensorRecord:
     pack_after: str | None = None
     unpack_before: str | None = None
     aliases_output: bool = False
+    checkpoint: str | None = None
     # Compile-time only: the graphs' nodes and the hook pairs (dropped by :func:`publish`).
     node: fx.Node | None = dataclasses.field(default=None, repr=False)
     bw_input: fx.Node | None = dataclasses.field(default=None, repr=False)
@@ -173,6 +180,8 @@ class SavedTensorRecord:
         parts = [f"saved {self.describe()} {what}"]
         if self.module:
             parts.append(f"module {self.module}")
+        if self.checkpoint:
+            parts.append(f"checkpoint: {self.checkpoint}")
         if self.option is not None:
             parts.append(f"budget option {self.option}")
         if self.reason:

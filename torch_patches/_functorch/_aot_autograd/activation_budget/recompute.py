@@ -2,8 +2,8 @@
 saved tensor instead of saving it (:class:`Recipe`), what that costs, and the choices that
 get a ``recompute`` option (:func:`with_recipes`).
 
-A recipe copies at most :data:`RECOMPUTE_MAX_NODES` forward ops, none random or mutating,
-reading saved tensors the backward gets exact (the plan pins them to ``keep``) and inputs
+A recipe copies at most :data:`RECOMPUTE_MAX_NODES` forward ops, none random or mutating
+nor kept by a selective checkpoint's policy (``MUST_SAVE``), reading saved tensors the backward gets exact (the plan pins them to ``keep``) and inputs
 the caller keeps (parameters, buffers, leaves).
 """
 
@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy
 
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, _node_ms
@@ -39,8 +40,8 @@ class Recipe:
 def _recomputable(node: fx.Node) -> bool:
     """A forward op the backward may run again for the same result: a functional ``aten``
     or ``prims`` op (not mutating, not random) returning tensors, or one output of one."""
-    if node.op != "call_function":
-        return False
+    if node.op != "call_function" or node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
+        return False  # a selective checkpoint's policy keeps it
     target = node.target
     if target is operator.getitem:
         return isinstance(node.args[0], fx.Node)  # its producer is checked on its own
