@@ -24,3 +24,12 @@ class SavedTensorsHookWarning(UserWarning):
     memory budget cannot be met, a budget is entered around eager code.  The message names
     the hook (or scope) and the reason; ``warnings.filterwarnings("error",
     category=SavedTensorsHookWarning)`` makes them errors."""
+
+
+class SavedTensorsHookConfigError(ValueError):
+    """A config knob the inliner reads holds a value it does not accept
+    (``torch_patches.config.hook_placement``, ``hooked_saved_tensor_dtypes``,
+    ``activation_budget_bounds``, upstream's ``saved_tensors_hooks_filtering_mode``).
+
+    A user's error, raised while compiling like :class:`SavedTensorsHookError`: the
+    inliner's fallback from its own internal errors never swallows it."""

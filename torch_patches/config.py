@@ -156,5 +156,12 @@ activation_budget_bounds: str = "auto"
 #  "error": raise, as under fullgraph=True.
 untraceable_hook: str = "warn"
 
+# When the inliner, the budget planner or the graph rewrite fails on a graph with an error of
+# its own (not the user's: a hook contract violation or a bad knob still raises), that graph
+# runs as stock torch runs it (the partition untouched, the ambient hooks as Python hooks),
+# with one SavedTensorsHookWarning naming the hooks, the graph and the error; it is not cached.
+# False: raise the error itself (to debug it).
+internal_error_fallback: bool = True
+
 
 install_config_module(sys.modules[__name__])

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from torch_patches import _logging as tp_logging, config
-from torch_patches._functorch._aot_autograd import compile_facts
+from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches.hooks.markers import decode
 
@@ -175,7 +175,22 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
             found.partition_budget_ratio = ratio
         return cheap
 
-    return choose_saved_values_set
+    @functools.wraps(original)
+    def guarded(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> list[Any]:
+        # An internal error of ours: upstream's own choice, the budget planned over it.
+        try:
+            return choose_saved_values_set(joint_graph, node_info, memory_budget)
+        except Exception as e:  # noqa: BLE001 - ours unless the user's (inline_fallback.is_internal)
+            if not inline_fallback.wants_fallback(e):
+                raise
+            inline_fallback.forget_partition_facts()
+            inline_fallback.warn_once(
+                e, "the budget's partition", f"failed on {inline_fallback.describe_graph(joint_graph, 'joint')}",
+                "The partition is torch's own (as without torch_patches); the budget plans it",
+            )
+            return original(joint_graph, node_info, memory_budget=memory_budget)
+
+    return guarded
 
 
 # ------------------------------------------------------------ the knapsack, weighed

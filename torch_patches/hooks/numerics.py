@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from torch_patches import config
+from torch_patches._errors import SavedTensorsHookConfigError
 
 
 EXACT = "exact"
@@ -74,7 +75,7 @@ def tolerates(level: str, storage: str) -> bool:
 
 def check_level(level: Any, what: str) -> str:
     if level not in _RANK:
-        raise ValueError(f"{what}: a storage level is one of {list(LEVELS)}, got {level!r}")
+        raise SavedTensorsHookConfigError(f"{what}: a storage level is one of {list(LEVELS)}, got {level!r}")
     return level
 
 
@@ -244,6 +245,8 @@ def entries() -> dict[str, dict[str, str]]:
         return BUILTIN
     merged = {k: dict(v) for k, v in BUILTIN.items()}
     for op, args in user.items():
+        for arg, level in args.items():
+            check_level(level, f"torch_patches.config.numerics_allowlist[{op!r}][{arg!r}]")
         merged.setdefault(op, {}).update(args)
     return merged
 

@@ -46,6 +46,7 @@ from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
     hook_tracing,
+    inline_fallback,
     inline_phases,
     saved_tensor_records as records,
     utils as hook_utils,
@@ -95,6 +96,19 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
     )
 
 
+def _hooks_in_words(ambient: HookPair | None, found: Any) -> str:
+    """The hooks of a compilation in a warning: a budget by its spec, a pair by its hooks'
+    names, in-region scopes by their labels."""
+    parts = []
+    if ambient is not None:
+        spec = ambient.kind.budget
+        parts.append(spec.describe() if spec is not None else f"({ambient.names})")
+    scopes = list(found.scopes.values()) if found is not None else []
+    if scopes:
+        parts.append(f"entered in the region ({'; '.join(pair.names for pair in scopes)})")
+    return " and ".join(parts)
+
+
 # ------------------------------------------------------------------- scope lookup
 
 
@@ -123,6 +137,10 @@ def maybe_inline_graph_saved_tensors_hooks(
         found.hooks_inlined = None
     ambient = _ambient_pair()
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
+    # Both modules as handed over, put back if our own code fails on them (inline_fallback);
+    # without hooks nothing rewrites them.
+    hooked = ambient is not None or (found is not None and bool(found.scopes))
+    snapshot = inline_fallback.GraphPairSnapshot(fw_module, bw_module, inner_meta) if hooked else None
     try:
         # A partition the partitioner patch may redo (its knapsack at the budget's fraction,
         # where it beats the plan's floor or lossy storage): the modules take its graphs.
@@ -164,6 +182,15 @@ def maybe_inline_graph_saved_tensors_hooks(
         _record_decision(inlined=False)
         compile_facts.mark_not_cacheable(f"saved tensors hooks {ambient.names} fell back to eager hooks")
         records.publish(records.CompiledSavedTensors([], fallback=str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 - ours unless the user's (inline_fallback.is_internal)
+        if not inline_fallback.wants_fallback(e):
+            raise
+        inline_fallback.fall_back(e, _hooks_in_words(ambient, found), fw_module, snapshot)
+        if ambient is not None:
+            # A budget pair's eager hooks keep every tensor: its graph runs without them (no
+            # second warning from them); any other pair runs as Python hooks, as stock runs it.
+            _record_decision(inlined=ambient.kind.budget is not None)
         return
     if ambient is not None:
         _record_decision(inlined=True)

@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torch_patches import _logging as tp_logging, config
+from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch._aot_autograd import checkpointed, compile_facts, hook_scopes
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
@@ -86,7 +87,7 @@ def _filtered_by_mode(
         static = {placeholders[i] for i in static_input_indices}
         return {n for n in saved_tensors if n not in static}
     if mode != "donated":
-        raise ValueError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
+        raise SavedTensorsHookConfigError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
     # Donated buffers: saved intermediates that alias no graph input or output, so
     # packing them really frees their memory.
     if aot_utils.contain_metadata_mutation_ops(
@@ -499,7 +500,7 @@ def _rewrite(
     fw_g, bw_g = fw_module.graph, bw_module.graph
     placement = config.hook_placement
     if placement not in ("use", "boundary"):
-        raise ValueError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
+        raise SavedTensorsHookConfigError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
     structured: list[str] = []
     _log_graphs(fw_module, bw_module, graphs.aot_config, "pre", structured)
     graph_surgery.merge_aliases(fw_module, bw_inputs, graphs.num_inner_fwd_outputs, aliases)

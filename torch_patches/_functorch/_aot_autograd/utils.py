@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from torch_patches import config
+from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches.hooks.markers import budget_pair, budget_spec, pair_is_inlineable
 
 
@@ -143,7 +144,7 @@ def is_hookable_dtype(dtype: torch.dtype) -> bool:
     if policy == "all":
         return True
     if policy != "float":
-        raise ValueError(
+        raise SavedTensorsHookConfigError(
             f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
         )
     return dtype.is_floating_point or dtype.is_complex

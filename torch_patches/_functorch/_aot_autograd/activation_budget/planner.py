@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches import config
+from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
@@ -92,7 +93,7 @@ class GraphFacts:
         produced an input of the graph), and that and why, in words."""
         mode = config.activation_budget_bounds
         if mode not in BOUNDS:
-            raise ValueError(f"torch_patches.config.activation_budget_bounds must be one of {BOUNDS}, got {mode!r}")
+            raise SavedTensorsHookConfigError(f"torch_patches.config.activation_budget_bounds must be one of {BOUNDS}, got {mode!r}")
         if mode == "auto" and self.autograd_inputs:
             mode, why = "forward_end", f"one graph of several in its step (autograd produced its input {', '.join(self.autograd_inputs)})"
         elif mode == "auto":
