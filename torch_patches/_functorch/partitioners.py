@@ -49,6 +49,7 @@ import torch
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback
+from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches.hooks.markers import decode
 
@@ -104,6 +105,13 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     return total
 
 
+def _recomputes_random(default: list[Any], chosen: list[Any]) -> bool:
+    """Whether the saved set ``chosen`` leaves a random op's output the ``default`` one saves
+    to the backward to recompute (the default partition never recomputes one)."""
+    kept = set(chosen)
+    return any(node not in kept and draws_random(node) for node in default)
+
+
 def _device(nodes: Any) -> torch.device:
     """The device of the first tensor among ``nodes``' values (the CPU if none)."""
     return next((n.meta["val"].device for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
@@ -154,6 +162,8 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         if found is not None:
             found.budget_cap = None
         cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
+        if _recomputes_random(default, cheap):  # its knapsack would draw other random numbers
+            cheap = default
         full = _activation_bytes(default, node_info.inputs)
         ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
         artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
@@ -281,6 +291,11 @@ def weigh_knapsack(
             )
     except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
         log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s: %s); the plan stands", retry.fraction, type(e).__name__, e)
+        return None
+    if any(draws_random(n) for n in bw_k.graph.nodes):
+        # Upstream's knapsack recomputes random ops without their RNG state (stock's
+        # activation_memory_budget then draws another dropout mask in the backward).
+        artifact.debug("budget %.3g: the partitioner's knapsack recomputes a random op; the plan stands", retry.fraction)
         return None
     ratio = _saved_activation_bytes(fw_k, num_fwd_outputs) / retry.default_bytes
     found = compile_facts.facts()

@@ -47,14 +47,23 @@ def _recomputable(node: fx.Node) -> bool:
         return isinstance(node.args[0], fx.Node)  # its producer is checked on its own
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_bitwise in target.tags:
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(node):
+    if target._schema.is_mutable or torch.Tag.nondeterministic_bitwise in target.tags or draws_random(node):
         return False
     if target.namespace == "prims" and target.__name__.startswith("inductor_"):
         return False  # Inductor's seeds and random prims carry no nondeterministic tag
     vals = pytree.tree_leaves(node.meta.get("val"))
     return bool(vals) and all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def draws_random(node: fx.Node) -> bool:
+    """A forward op (or one output of one) that draws random numbers: run again, it would
+    draw others (attention's kernels carry the random tag and draw nothing without dropout)."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(node)
 
 
 def _no_dropout(node: fx.Node) -> bool:
