@@ -79,7 +79,8 @@ FORMS = ("non_reentrant", "reentrant", "sac_must_save", "sac_prefer_recompute", 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One training step: ``stmts`` over the pool (slot 0 is ``x``), the loss from the
-    ``loss`` slots, ``aux`` views returned beside it (``(slot, view)``)."""
+    ``loss`` slots, ``aux`` views returned beside it (``(slot, view)``); ``dynamic``: compiled
+    with ``dynamic=True`` (sizes symbolic, saved beside the tensors)."""
 
     n: int
     weights: int
@@ -87,6 +88,7 @@ class Program:
     loss: tuple[int, ...]
     aux: tuple[tuple[int, str], ...] = ()
     x_requires_grad: bool = True
+    dynamic: bool = False
 
     def has(self, kind: str) -> bool:
         def walk(stmts: tuple[tuple[Any, ...], ...]) -> bool:
@@ -98,9 +100,11 @@ class Program:
 def _statement(src: Source, size: int, weights: int, depth: int) -> tuple[Any, ...]:
     """One statement reading slots below ``size``."""
     slot = lambda: src.integer(0, size - 1)  # noqa: E731
-    kinds = ("linear", "unary", "unary", "binary", "view", "inplace", "multi", "mask", "nograd", "dropout")
+    kinds = ("linear", "unary", "unary", "binary", "view", "inplace", "multi", "mask", "nograd", "dropout", "buffer", "function", "detach")
     if depth == 0:
-        kinds += ("break", "checkpoint", "checkpoint")
+        kinds += ("break",)
+    if depth < 2:
+        kinds += ("checkpoint", "checkpoint")
     kind = src.choice(kinds)
     if kind == "linear":
         return ("linear", slot(), src.integer(0, weights - 1))
@@ -122,19 +126,25 @@ def _statement(src: Source, size: int, weights: int, depth: int) -> tuple[Any, .
         return ("dropout", slot(), src.choice((0.0, 0.25)))
     if kind == "break":
         return ("break", slot())
+    if kind == "buffer":
+        return ("buffer", slot())
+    if kind == "function":
+        return ("function", slot(), slot())
+    if kind == "detach":
+        return ("detach", src.choice(("detach", "t_contiguous", "clone")), slot())
     inputs = tuple(sorted({slot() for _ in range(src.integer(1, 2))}))
-    body = tuple(_statement(src, len(inputs) + i, weights, depth + 1) for i in range(src.integer(1, 4)))
+    body = tuple(_statement(src, len(inputs) + i, weights, depth + 1) for i in range(src.integer(1, 5)))
     return ("checkpoint", src.choice(FORMS), inputs, body)
 
 
-def draw_program(src: Source, max_stmts: int = 8) -> Program:
+def draw_program(src: Source, max_stmts: int = 10) -> Program:
     n = src.choice((4, 8))
     weights = src.integer(1, 3)
     stmts = tuple(_statement(src, 1 + i, weights, 0) for i in range(src.integer(1, max_stmts)))
     size = 1 + len(stmts)
     loss = tuple(sorted({size - 1, *(src.integer(1, size - 1) for _ in range(src.integer(0, 2)))}))
     aux = tuple((src.integer(0, size - 1), src.choice(("t", "slice", "self"))) for _ in range(src.integer(0, 2)))
-    return Program(n, weights, stmts, loss, aux, x_requires_grad=src.integer(0, 4) > 0)
+    return Program(n, weights, stmts, loss, aux, x_requires_grad=src.integer(0, 4) > 0, dynamic=src.integer(0, 4) == 0)
 
 
 # ------------------------------------------------------------------------ running
@@ -220,6 +230,22 @@ def _mask(kind: str, a: torch.Tensor, b: torch.Tensor, table: torch.Tensor, ids:
     return F.embedding(ids, table) * a
 
 
+class ScaledTanh(torch.autograd.Function):
+    """A user's autograd.Function saving its input and output (Dynamo traces it)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(a) * b
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        t = torch.tanh(a)
+        return grad * b * (1 - t * t), grad * t
+
+
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
         return CheckpointPolicy.MUST_SAVE
@@ -271,6 +297,17 @@ def _execute(stmts: tuple[tuple[Any, ...], ...], pool: list[torch.Tensor], param
         elif kind == "break":
             torch._dynamo.graph_break()
             out = pool[stmt[1]] * 1.0
+        elif kind == "buffer":
+            # A buffer updated in place (a running statistic): an input the graph mutates.
+            buf = params["buffer"]
+            with torch.no_grad():
+                buf.mul_(0.9).add_(pool[stmt[1]].mean(dim=0) * 0.1)
+            out = pool[stmt[1]] + buf  # (read, not saved: a later update would be an error)
+        elif kind == "function":
+            out = ScaledTanh.apply(pool[stmt[1]], pool[stmt[2]])
+        elif kind == "detach":
+            t = pool[stmt[2]]
+            out = t.detach() if stmt[1] == "detach" else t.t().contiguous() if stmt[1] == "t_contiguous" else t.clone()
         else:
             _, form, inputs, body = stmt
             out = checkpoint(
@@ -305,7 +342,7 @@ def make_params(program: Program, device: str, seed: int = 0) -> dict[str, Any]:
     table = (torch.randn(16, n, generator=gen)).to(device).requires_grad_()
     ids = torch.randint(0, 16, (n,), generator=gen).to(device)
     x = torch.randn(n, n, generator=gen).to(device).requires_grad_(program.x_requires_grad)
-    return {"w": w, "table": table, "ids": ids, "x": x}
+    return {"w": w, "table": table, "ids": ids, "x": x, "buffer": torch.zeros(n, device=device)}
 
 
 def leaves(params: dict[str, Any]) -> list[torch.Tensor]:
@@ -315,28 +352,33 @@ def leaves(params: dict[str, Any]) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------ printing
 
 
-def _stmt_text(stmt: tuple[Any, ...], indent: str, size: int) -> list[str]:
-    name = f"v{size}"
+#: Per statement kind, the positions of its arguments that are pool slots.
+_SLOTS = {
+    "linear": (1,), "unary": (2,), "binary": (2, 3), "view": (2,), "inplace": (2, 3), "multi": (2,),
+    "mask": (2, 3), "nograd": (2,), "dropout": (1,), "break": (1,), "buffer": (1,), "function": (1, 2),
+    "detach": (2,),
+}
+
+
+def _stmt_text(stmt: tuple[Any, ...], indent: str, size: int, prefix: str = "v") -> list[str]:
+    name = f"{prefix}{size}"
     kind = stmt[0]
     if kind == "checkpoint":
         _, form, inputs, body = stmt
-        lines = [f"{indent}def region_{size}({', '.join(f'r{i}' for i in range(len(inputs)))}):"]
-        inner = list(range(len(inputs)))
+        inner = prefix + "r"
+        lines = [f"{indent}def region_{name}({', '.join(f'{inner}{i}' for i in range(len(inputs)))}):"]
         for j, s in enumerate(body):
-            lines += [line.replace("v", "r") for line in _stmt_text(s, indent + "    ", len(inner) + j)]
-        lines.append(f"{indent}    return r{len(inputs) + len(body) - 1}")
-        lines.append(f"{indent}{name} = checkpoint(region_{size}, {', '.join(f'v{i}' for i in inputs)}, form={form!r})")
+            lines += _stmt_text(s, indent + "    ", len(inputs) + j, inner)
+        lines.append(f"{indent}    return {inner}{len(inputs) + len(body) - 1}")
+        lines.append(f"{indent}{name} = checkpoint(region_{name}, {', '.join(f'{prefix}{i}' for i in inputs)}, form={form!r})")
         return lines
-    args = ", ".join(repr(a) if not isinstance(a, int) or isinstance(a, bool) else f"v{a}" for a in stmt[2:] if True)
-    if kind in ("linear", "dropout", "break"):
-        args = ", ".join(f"v{a}" if i == 0 else repr(a) for i, a in enumerate(stmt[1:]))
-        return [f"{indent}{name} = {kind}({args})"]
-    return [f"{indent}{name} = {kind}.{stmt[1]}({args})"]
+    args = [f"{prefix}{a}" if i in _SLOTS[kind] else repr(a) for i, a in enumerate(stmt) if i > 0]
+    return [f"{indent}{name} = {kind}({', '.join(args)})"]
 
 
 def source_text(program: Program) -> str:
     """The program as the statements it runs (``v0`` is ``x``), for reports."""
-    lines = [f"# n={program.n} weights={program.weights} x_requires_grad={program.x_requires_grad}"]
+    lines = [f"# n={program.n} weights={program.weights} x_requires_grad={program.x_requires_grad} dynamic={program.dynamic}"]
     for i, stmt in enumerate(program.stmts):
         lines += _stmt_text(stmt, "", i + 1)
     terms = [f"mean(v{i} ** 2)" for i in program.loss] + [f"mean((v{len(program.stmts)} @ w0) ** 2)"]

@@ -77,7 +77,7 @@ def step_grads(program: Program, device: str, backend: str | None, pair=None, kn
     torch._dynamo.reset()
     fn = (lambda x: run(program, params, x)) if backend is not None else (lambda x: run(program, params, x, eager=True))
     if backend is not None:
-        fn = torch.compile(fn, backend=backend)
+        fn = torch.compile(fn, backend=backend, dynamic=program.dynamic or None)
     with contextlib.ExitStack() as stack:
         if knob is not None:
             stack.enter_context(tp_config.patch(activation_memory_budget=knob))
@@ -177,6 +177,15 @@ class TestFound(GeneratedCase):
         # partition over its floor. Neither the cheap recomputation nor the weighed knapsack
         # is taken where it recomputes a random op.
         self.check(Program(8, 3, (("dropout", 0, 0.25),), (1,), ((1, "self"),)), "knob0.4")
+
+    def test_dropout_under_the_partitioners_cheap_recomputation(self):
+        # v1 = x * x; v2 = dropout(v1); v4 = sigmoid(v2) under no_grad, read by w0's
+        # gradient. Under budget(0.9) the partitioner's more aggressive min-cut (its
+        # solution just under a budget of 1) rebuilds v4 in the backward from x, dropout
+        # included. The default partition's saved values dropped from a candidate are
+        # followed back to what it keeps: a random op among them keeps the default.
+        stmts = (("binary", "mul", 0, 0), ("dropout", 1, 0.25), ("dropout", 1, 0.0), ("nograd", "sigmoid", 2))
+        self.check(Program(4, 2, stmts, (1, 4)), "budget0.9")
 
     def test_random_op_in_a_checkpointed_region(self):
         # The issue's KeyError in a generated program: dropout in a checkpointed region saves

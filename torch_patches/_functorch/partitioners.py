@@ -105,11 +105,21 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     return total
 
 
-def _recomputes_random(default: list[Any], chosen: list[Any]) -> bool:
-    """Whether the saved set ``chosen`` leaves a random op's output the ``default`` one saves
-    to the backward to recompute (the default partition never recomputes one)."""
-    kept = set(chosen)
-    return any(node not in kept and draws_random(node) for node in default)
+def _recomputes_random(default: list[Any], chosen: list[Any], inputs: list[Any]) -> bool:
+    """Whether the backward recomputes a random op under the saved set ``chosen``: what the
+    ``default`` set saves (which never recomputes one) and ``chosen`` does not is rebuilt
+    from ``chosen`` and the graph's ``inputs``."""
+    kept = set(chosen) | set(inputs)
+    todo, seen = [n for n in default if n not in kept], set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node in kept:
+            continue
+        seen.add(node)
+        if draws_random(node):
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
 
 
 def _device(nodes: Any) -> torch.device:
@@ -162,7 +172,7 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
         if found is not None:
             found.budget_cap = None
         cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
-        if _recomputes_random(default, cheap):  # its knapsack would draw other random numbers
+        if _recomputes_random(default, cheap, node_info.inputs):  # it would draw other random numbers
             cheap = default
         full = _activation_bytes(default, node_info.inputs)
         ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
