@@ -100,9 +100,9 @@ class Program:
 def _statement(src: Source, size: int, weights: int, depth: int) -> tuple[Any, ...]:
     """One statement reading slots below ``size``."""
     slot = lambda: src.integer(0, size - 1)  # noqa: E731
-    kinds = ("linear", "unary", "unary", "binary", "view", "inplace", "multi", "mask", "nograd", "dropout", "buffer", "function", "detach")
-    if depth == 0:
-        kinds += ("break",)
+    kinds = ("linear", "unary", "unary", "binary", "view", "inplace", "multi", "mask", "nograd", "dropout", "function", "detach")
+    if depth == 0:  # (a checkpointed region runs twice: no side effects in it)
+        kinds += ("break", "buffer")
     if depth < 2:
         kinds += ("checkpoint", "checkpoint")
     kind = src.choice(kinds)

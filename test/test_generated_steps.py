@@ -187,6 +187,13 @@ class TestFound(GeneratedCase):
         stmts = (("binary", "mul", 0, 0), ("dropout", 1, 0.25), ("dropout", 1, 0.0), ("nograd", "sigmoid", 2))
         self.check(Program(4, 2, stmts, (1, 4)), "budget0.9")
 
+    def test_multiple_outputs_with_dynamic_shapes(self):
+        # v1 = tanh(x); v2 = v1 - max(v1) + gather(v1, argmax), dynamic=True, budget(0.5).
+        # The cost model hinted each input's value but a tuple's (max's values and indices):
+        # the getitems' bytes stayed symbolic, the knapsack's weighed time a SymFloat, and
+        # formatting it in the partitioner patch's reason raised TypeError.
+        self.check(Program(4, 1, (("unary", "tanh", 0), ("multi", "max", 1, True)), (2,), dynamic=True), "budget0.5")
+
     def test_random_op_in_a_checkpointed_region(self):
         # The issue's KeyError in a generated program: dropout in a checkpointed region saves
         # its RNG state under another name in the backward.

@@ -130,7 +130,7 @@ def _node_ms(node: fx.Node, rates: Rates) -> float:
     """The node's compute: ``max(flops / flops rate, bytes moved / memory bandwidth)``."""
     if node.op != "call_function":
         return 0.0
-    vals = [_hinted(a.meta.get("val")) for a in node.all_input_nodes]
+    vals = [pytree.tree_map(_hinted, a.meta.get("val")) for a in node.all_input_nodes]  # (a tuple: max's)
     out = pytree.tree_map(_hinted, node.meta.get("val"))
     moved = sum(v.numel() * v.element_size() for v in pytree.tree_leaves((vals, out)) if isinstance(v, torch.Tensor))
     return max(_flops(node) / rates.flops_per_ms, moved / rates.memory_bytes_per_ms)
