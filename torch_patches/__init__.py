@@ -12,7 +12,7 @@ Importing this package changes nothing in torch; :func:`apply` patches (all or n
 :func:`unapply` restores every original object by identity.
 """
 
-from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
+from torch_patches._errors import SavedTensorsHookConfigError, SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches._registry import (
     Patch,
     PatchError,
@@ -52,6 +52,7 @@ __all__ = [
     "PatchError",
     "PatchStatus",
     "SUPPORTED_TORCH",
+    "SavedTensorsHookConfigError",
     "SavedTensorsHookError",
     "SavedTensorsHookWarning",
     "UnapplyError",

@@ -97,8 +97,8 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
 
 
 def _hooks_in_words(ambient: HookPair | None, found: Any) -> str:
-    """The hooks of a compilation in a warning: a budget by its spec, a pair by its hooks'
-    names, in-region scopes by their labels."""
+    """The hooks of a compilation in a warning: a budget by its spec, a pair (and each
+    in-region scope's) by its hooks' names."""
     parts = []
     if ambient is not None:
         spec = ambient.kind.budget
