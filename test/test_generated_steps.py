@@ -187,6 +187,19 @@ class TestFound(GeneratedCase):
         stmts = (("binary", "mul", 0, 0), ("dropout", 1, 0.25), ("dropout", 1, 0.0), ("nograd", "sigmoid", 2))
         self.check(Program(4, 2, stmts, (1, 4)), "budget0.9")
 
+    def test_buffer_updated_twice(self):
+        # v1 = x + buf after buf is updated in place, buf updated again from v1's layer
+        # norm, v4 = where(x > 0, x, v1). Under budget(0.5) the partitioner's more aggressive
+        # min-cut, and under budget(0.1) its knapsack, rebuild v1 in the backward from the
+        # buffer, which by then holds its last update (stock's own activation_memory_budget
+        # gets these gradients wrong). Neither is taken where it reads an input the graph
+        # mutates that the default partition does not.
+        stmts = (("buffer", 0), ("nograd", "layer_norm", 1), ("buffer", 2), ("mask", "where", 0, 1))
+        program = Program(4, 2, stmts, (1, 4), ((4, "self"), (1, "t")))
+        for hook in ("budget0.5", "budget0.1"):
+            with self.subTest(hook=hook):
+                self.check(program, hook)
+
     def test_multiple_outputs_with_dynamic_shapes(self):
         # v1 = tanh(x); v2 = v1 - max(v1) + gather(v1, argmax), dynamic=True, budget(0.5).
         # The cost model hinted each input's value but a tuple's (max's values and indices):

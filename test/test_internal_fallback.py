@@ -262,6 +262,10 @@ class TestInternalFallback(TestCase):
             with self.assertRaisesRegex(Exception, "hook_placement must be") as caught:
                 self.fallback_step(bf16(where=None))
         self.assertIsInstance(getattr(caught.exception, "inner_exception", None), SavedTensorsHookConfigError)
+        with tp_config.patch(numerics_allowlist={"aten::mm": {"self": "fp4"}}):
+            with self.assertRaisesRegex(Exception, "a storage level is one of") as caught:
+                self.fallback_step(bf16())
+        self.assertIsInstance(getattr(caught.exception, "inner_exception", None), SavedTensorsHookConfigError)
 
     def test_one_warning_per_hooks_and_site(self, device):
         # Every recompile of the same failure warns once.

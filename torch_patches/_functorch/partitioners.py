@@ -105,21 +105,43 @@ def _activation_bytes(values: list[Any], inputs: list[Any]) -> int:
     return total
 
 
-def _recomputes_random(default: list[Any], chosen: list[Any], inputs: list[Any]) -> bool:
-    """Whether the backward recomputes a random op under the saved set ``chosen``: what the
-    ``default`` set saves (which never recomputes one) and ``chosen`` does not is rebuilt
-    from ``chosen`` and the graph's ``inputs``."""
+def _mutated_inputs(graph: Any) -> set[str]:
+    """The names of the graph's inputs it mutates (functionalized: ``copy_`` into them)."""
+    return {
+        n.args[0].name
+        for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+        if n.args[0].op == "placeholder"
+    }
+
+
+def _recomputes_unsafely(default: list[Any], chosen: list[Any], inputs: list[Any]) -> bool:
+    """Whether the backward recomputes, under the saved set ``chosen``, a random op (it would
+    draw other numbers) or an op reading an input the graph mutates (it would read the
+    mutated value): what the ``default`` set saves (which does neither) and ``chosen`` does
+    not is rebuilt from ``chosen`` and the graph's ``inputs``."""
     kept = set(chosen) | set(inputs)
+    mutated = _mutated_inputs(default[0].graph) if default else set()
+    if any(n.name in mutated for n in set(chosen) - set(default)):
+        return True  # saved as it is: the backward would read the mutated value
     todo, seen = [n for n in default if n not in kept], set()
     while todo:
         node = todo.pop()
-        if node in seen or node in kept:
+        if node in seen:
             continue
         seen.add(node)
+        if node in kept:
+            if node.name in mutated:
+                return True
+            continue
         if draws_random(node):
             return True
         todo.extend(node.all_input_nodes)
     return False
+
+
+def _backward_reads_mutated(fw_module: Any, bw_module: Any) -> set[str]:
+    """The inputs the forward mutates that the backward takes (by the forward's names)."""
+    return _mutated_inputs(fw_module.graph) & {n.name for n in bw_module.graph.find_nodes(op="placeholder")}
 
 
 def _device(nodes: Any) -> torch.device:
@@ -156,61 +178,69 @@ def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_in
 
 def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``choose_saved_values_set``: under a budget pair, the partitioner's cheap exact
-    recomputation when it meets the budget (module docstring)."""
+    recomputation when it meets the budget (module docstring); upstream's own choice where
+    ours fails with an internal error (``inline_fallback``)."""
 
     @functools.wraps(original)
     def choose_saved_values_set(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> list[Any]:
-        from torch_patches._functorch._aot_autograd import saved_tensor_records
-
-        if memory_budget == 1 and saved_tensor_records.observed():
-            _record_stock_pareto(original, joint_graph, node_info)
-        fraction = ambient_budget_fraction() if memory_budget == 1 else None
-        if fraction is None:
-            return original(joint_graph, node_info, memory_budget=memory_budget)
-        default = original(joint_graph, node_info, memory_budget=1)
-        found = compile_facts.facts()
-        if found is not None:
-            found.budget_cap = None
-        cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
-        if _recomputes_random(default, cheap, node_info.inputs):  # it would draw other random numbers
-            cheap = default
-        full = _activation_bytes(default, node_info.inputs)
-        ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
-        artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-        if found is not None:
-            found.partition_cheap_ratio = ratio
-        if ratio > fraction and found is not None and full:
-            found.partition_retry = PartitionRetry(joint_graph.owning_module, fraction, full)
-        if ratio > fraction:
-            artifact.debug(
-                "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
-                "the plan starts from the default partition", fraction, ratio,
-            )
-            return default
-        artifact.debug(
-            "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
-            "activation bytes", fraction, ratio,
-        )
-        if found is not None:
-            found.partition_budget_ratio = ratio
-        return cheap
-
-    @functools.wraps(original)
-    def guarded(joint_graph: Any, node_info: Any, memory_budget: float = 1) -> list[Any]:
-        # An internal error of ours: upstream's own choice, the budget planned over it.
         try:
-            return choose_saved_values_set(joint_graph, node_info, memory_budget)
+            return _budget_first(original, joint_graph, node_info, memory_budget)
         except Exception as e:  # noqa: BLE001 - ours unless the user's (inline_fallback.is_internal)
-            if not inline_fallback.wants_fallback(e):
-                raise
-            inline_fallback.forget_partition_facts()
-            inline_fallback.warn_once(
-                e, "the budget's partition", f"failed on {inline_fallback.describe_graph(joint_graph, 'joint')}",
-                "The partition is torch's own (as without torch_patches); the budget plans it",
-            )
-            return original(joint_graph, node_info, memory_budget=memory_budget)
+            return _upstream_after(e, original, joint_graph, node_info, memory_budget)
 
-    return guarded
+    return choose_saved_values_set
+
+
+def _budget_first(original: Callable[..., Any], joint_graph: Any, node_info: Any, memory_budget: float) -> list[Any]:
+    """``choose_saved_values_set`` (``original``) under a budget pair: its cheap exact
+    recomputation when that meets the budget (module docstring)."""
+    from torch_patches._functorch._aot_autograd import saved_tensor_records
+
+    if memory_budget == 1 and saved_tensor_records.observed():
+        _record_stock_pareto(original, joint_graph, node_info)
+    fraction = ambient_budget_fraction() if memory_budget == 1 else None
+    if fraction is None:
+        return original(joint_graph, node_info, memory_budget=memory_budget)
+    default = original(joint_graph, node_info, memory_budget=1)
+    found = compile_facts.facts()
+    if found is not None:
+        found.budget_cap = None
+    cheap = original(joint_graph, node_info, memory_budget=CHEAP_RECOMPUTE_BUDGET)
+    if _recomputes_unsafely(default, cheap, node_info.inputs):  # other random numbers, mutated inputs
+        cheap = default
+    full = _activation_bytes(default, node_info.inputs)
+    ratio = _activation_bytes(cheap, node_info.inputs) / full if full else 1.0
+    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+    if found is not None:
+        found.partition_cheap_ratio = ratio
+    if ratio > fraction and found is not None and full:
+        found.partition_retry = PartitionRetry(joint_graph.owning_module, fraction, full)
+    if ratio > fraction:
+        artifact.debug(
+            "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
+            "the plan starts from the default partition", fraction, ratio,
+        )
+        return default
+    artifact.debug(
+        "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
+        "activation bytes", fraction, ratio,
+    )
+    if found is not None:
+        found.partition_budget_ratio = ratio
+    return cheap
+
+
+def _upstream_after(error: Exception, original: Callable[..., Any], joint_graph: Any, node_info: Any, memory_budget: float) -> list[Any]:
+    """Upstream's own choice after an internal ``error`` of :func:`_budget_first` (the
+    budget then plans that partition), with one warning; a user's error raises."""
+    if not inline_fallback.wants_fallback(error):
+        raise error
+    inline_fallback.forget_partition_facts()
+    inline_fallback.warn_once(
+        error, "the budget's partition", f"failed on {inline_fallback.describe_graph(joint_graph, 'joint')}",
+        "The partition is torch's own (as without torch_patches); the budget plans it",
+    )
+    return original(joint_graph, node_info, memory_budget=memory_budget)
 
 
 # ------------------------------------------------------------ the knapsack, weighed
@@ -302,10 +332,13 @@ def weigh_knapsack(
     except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
         log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s: %s); the plan stands", retry.fraction, type(e).__name__, e)
         return None
-    if any(draws_random(n) for n in bw_k.graph.nodes):
-        # Upstream's knapsack recomputes random ops without their RNG state (stock's
-        # activation_memory_budget then draws another dropout mask in the backward).
-        artifact.debug("budget %.3g: the partitioner's knapsack recomputes a random op; the plan stands", retry.fraction)
+    if any(draws_random(n) for n in bw_k.graph.nodes) or (
+        _backward_reads_mutated(fw_k, bw_k) - _backward_reads_mutated(fw_module, bw_module)
+    ):
+        # Upstream's knapsack recomputes random ops without their RNG state, and ops reading
+        # an input the forward mutates, after the mutation (stock's activation_memory_budget
+        # then computes other gradients).
+        artifact.debug("budget %.3g: the partitioner's knapsack recomputes a random op or from a mutated input; the plan stands", retry.fraction)
         return None
     ratio = _saved_activation_bytes(fw_k, num_fwd_outputs) / retry.default_bytes
     found = compile_facts.facts()

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from torch_patches import config
-from torch_patches._errors import SavedTensorsHookConfigError
 
 
 EXACT = "exact"
@@ -75,7 +74,7 @@ def tolerates(level: str, storage: str) -> bool:
 
 def check_level(level: Any, what: str) -> str:
     if level not in _RANK:
-        raise SavedTensorsHookConfigError(f"{what}: a storage level is one of {list(LEVELS)}, got {level!r}")
+        raise ValueError(f"{what}: a storage level is one of {list(LEVELS)}, got {level!r}")
     return level
 
 

@@ -96,19 +96,6 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
     )
 
 
-def _hooks_in_words(ambient: HookPair | None, found: Any) -> str:
-    """The hooks of a compilation in a warning: a budget by its spec, a pair (and each
-    in-region scope's) by its hooks' names."""
-    parts = []
-    if ambient is not None:
-        spec = ambient.kind.budget
-        parts.append(spec.describe() if spec is not None else f"({ambient.names})")
-    scopes = list(found.scopes.values()) if found is not None else []
-    if scopes:
-        parts.append(f"entered in the region ({'; '.join(pair.names for pair in scopes)})")
-    return " and ".join(parts)
-
-
 # ------------------------------------------------------------------- scope lookup
 
 
@@ -137,10 +124,8 @@ def maybe_inline_graph_saved_tensors_hooks(
         found.hooks_inlined = None
     ambient = _ambient_pair()
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
-    # Both modules as handed over, put back if our own code fails on them (inline_fallback);
-    # without hooks nothing rewrites them.
-    hooked = ambient is not None or (found is not None and bool(found.scopes))
-    snapshot = inline_fallback.GraphPairSnapshot(fw_module, bw_module, inner_meta) if hooked else None
+    # The modules as handed over, put back if our own code fails on them (inline_fallback).
+    snapshot = inline_fallback.snapshot(fw_module, bw_module, inner_meta, ambient, found)
     try:
         # A partition the partitioner patch may redo (its knapsack at the budget's fraction,
         # where it beats the plan's floor or lossy storage): the modules take its graphs.
@@ -186,10 +171,8 @@ def maybe_inline_graph_saved_tensors_hooks(
     except Exception as e:  # noqa: BLE001 - ours unless the user's (inline_fallback.is_internal)
         if not inline_fallback.wants_fallback(e):
             raise
-        inline_fallback.fall_back(e, _hooks_in_words(ambient, found), fw_module, snapshot)
-        if ambient is not None:
-            # A budget pair's eager hooks keep every tensor: its graph runs without them (no
-            # second warning from them); any other pair runs as Python hooks, as stock runs it.
+        inline_fallback.fall_back(e, inline_fallback.hooks_in_words(ambient, found), fw_module, snapshot)
+        if ambient is not None:  # as Python hooks; a budget's keep every tensor: none run
             _record_decision(inlined=ambient.kind.budget is not None)
         return
     if ambient is not None:

@@ -74,6 +74,31 @@ class GraphPairSnapshot:
         offload_prefetch.mark(self.inner_meta, 0, 0)
 
 
+def snapshot(
+    fw_module: fx.GraphModule, bw_module: fx.GraphModule, inner_meta: Any, ambient: Any, found: Any
+) -> GraphPairSnapshot | None:
+    """The modules' :class:`GraphPairSnapshot` where the compilation has hooks (``ambient``,
+    or in-region scopes on its facts ``found``); None without: nothing rewrites them."""
+    if ambient is None and (found is None or not found.scopes):
+        return None
+    return GraphPairSnapshot(fw_module, bw_module, inner_meta)
+
+
+def hooks_in_words(ambient: Any, found: Any) -> str:
+    """The hooks of a compilation in a warning: the ambient pair (``HookPair``; a budget by
+    its spec) and each in-region scope's pair (on its facts ``found``) by their names.  A
+    budget pair's eager hooks keep every tensor, so its graph runs without them (no second
+    warning); any other ambient pair runs as Python hooks, as stock runs it."""
+    parts = []
+    if ambient is not None:
+        spec = ambient.kind.budget
+        parts.append(spec.describe() if spec is not None else f"({ambient.names})")
+    scopes = list(found.scopes.values()) if found is not None else []
+    if scopes:
+        parts.append(f"entered in the region ({'; '.join(pair.names for pair in scopes)})")
+    return " and ".join(parts)
+
+
 def _attribute_names(module: torch.nn.Module) -> set[tuple[str, str]]:
     names = {("__dict__", n) for n in vars(module) if not n.startswith("_")}
     for table in _TABLES:

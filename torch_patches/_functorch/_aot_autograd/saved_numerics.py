@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient
 from torch_patches.hooks import numerics
 from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
@@ -118,7 +119,10 @@ def verdict(saved: fx.Node, bw_input: fx.Node | None, facts: BackwardFacts | set
         return Verdict(found[0], found[1], ())
     if bw_input is None:
         return Verdict(EXACT, "not read by the backward", ())
-    table = numerics.entries()
+    try:
+        table = numerics.entries()
+    except ValueError as e:  # a level the allowlist does not know, in config.numerics_allowlist
+        raise SavedTensorsHookConfigError(str(e)) from e
     level, why = FP8, None
     readers: list[str] = []
     seen: set[fx.Node] = set()
