@@ -205,6 +205,17 @@ class TestInternalFallback(TestCase):
         self.check_pair((graph_surgery, "rewire_saved", failing_after(original)))
         self.check_budget((graph_surgery, "rewire_saved", failing_after(original)))
 
+    def test_constants_go_with_the_rewrite(self, device):
+        # A hook computing with a constant tensor: the rewrite sets it on the modules; put
+        # back, they hold no such attribute.
+        pair = inlineable(lambda t: t * torch.tensor(2.0), lambda p: p / torch.tensor(2.0))
+        with mock.patch.object(graph_surgery, "rewire_saved", failing_after(graph_surgery.rewire_saved)):
+            grads, backend, compiled, ours = self.fallback_step(pair)
+        self.assertEqual(len([m for m in ours if "internal error" in m]), 1, ours)
+        for gm in backend.fw_graphs + backend.bw_graphs:
+            self.assertEqual([k for k in vars(gm) if k.startswith("_saved_tensors_hook_constant")], [])
+        self.assertGradsEqual(grads, self.plain_grads())
+
     def test_partition_retry_after_adopting(self, device):
         # The retry moved the knapsack's forward into the caller's module, then failed: the
         # default partition comes back.

@@ -64,10 +64,10 @@ class GraphPairSnapshot:
     def restore(self) -> None:
         for module, graph, names, meta in self.modules:
             for table, name in _attribute_names(module) - names:
-                if table == "__dict__":
-                    delattr(module, name)
-                else:
+                if table != "__dict__":
                     getattr(module, table).pop(name, None)
+                elif isinstance(vars(module)[name], (torch.Tensor, torch.nn.Module)):  # what get_attr reads
+                    delattr(module, name)
             module.graph = graph  # GraphModule's setter owns the graph and recompiles
             module.meta.clear()
             module.meta.update(meta)
@@ -100,7 +100,7 @@ def hooks_in_words(ambient: Any, found: Any) -> str:
 
 
 def _attribute_names(module: torch.nn.Module) -> set[tuple[str, str]]:
-    names = {("__dict__", n) for n in vars(module) if not n.startswith("_")}
+    names = {("__dict__", n) for n in vars(module)}
     for table in _TABLES:
         names |= {(table, n) for n in getattr(module, table)}
     return names
