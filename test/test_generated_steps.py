@@ -200,6 +200,17 @@ class TestFound(GeneratedCase):
             with self.subTest(hook=hook):
                 self.check(program, hook)
 
+    def test_offloaded_expanded_view(self):
+        # v3 = v1[:1].expand(n, n) (v1 a user autograd.Function's output), read by the loss's
+        # matmul, which saves it: strides (0, 1). The offload copies it compact; the reload
+        # wrote that into a tensor of the saved strides, whose elements share memory ("more
+        # than one element of the written-to tensor refers to a single memory location").
+        # Laid out as the view reads it now.
+        program = Program(4, 1, (("function", 0, 0), ("view", "unsqueeze", 1), ("view", "expand", 2)), (3,))
+        for hook in ("cpu_offload", "fp8_then_offload"):
+            with self.subTest(hook=hook):
+                self.check(program, hook)
+
     def test_multiple_outputs_with_dynamic_shapes(self):
         # v1 = tanh(x); v2 = v1 - max(v1) + gather(v1, argmax), dynamic=True, budget(0.5).
         # The cost model hinted each input's value but a tuple's (max's values and indices):

@@ -301,6 +301,8 @@ class _InFlight:
     # reload facts may hold this very copy's ticket (a prefetched reload): the entry must not
     # keep that ticket alive, or a ticket never taken would never be released.
     src: Any
+    # Device memory the copy reads besides (the compact copy of an overlapping layout).
+    compact: Any = None
 
 
 _tickets = itertools.count()
@@ -313,12 +315,44 @@ def _device_like(cpu: Tensor, device: torch.device, stride: list[int] | None) ->
     return torch.empty_strided(cpu.shape, stride, dtype=cpu.dtype, device=device)
 
 
+def _overlaps(shape: Any, stride: list[int]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``stride`` share a memory location
+    (an expanded view's stride 0): a copy cannot write into such a layout."""
+    reach = 0
+    for step, size in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
+        if step <= reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+def _layout_storage(cpu: Tensor, device: torch.device, stride: list[int]) -> Tensor:
+    """The storage a tensor of ``cpu``'s shape and ``stride`` reads, on ``device``."""
+    size = 1 + sum((n - 1) * st for n, st in zip(cpu.shape, stride)) if cpu.numel() else 0
+    return torch.empty(size, dtype=cpu.dtype, device=device)
+
+
+def _in_layout(dense: Tensor, storage: Tensor, stride: list[int]) -> Tensor:
+    """``dense`` (a compact copy) as a tensor of ``stride``, whose elements overlap: written
+    into ``storage`` (:func:`_layout_storage`) element by element (those sharing a location
+    are equal), viewed with ``stride``."""
+    if dense.numel():
+        where = torch.arange(storage.numel(), device=dense.device).as_strided(dense.shape, stride)
+        storage[where.reshape(-1)] = dense.reshape(-1)
+    return storage.as_strided(dense.shape, stride)
+
+
 def _start_copy(cpu: Tensor, device: torch.device, stride: list[int] | None) -> Tensor:
     """Start copying ``cpu`` to ``device``; the copy's ticket (see :func:`reload_start`)."""
     ticket = next(_tickets)
+    # An expanded view's strides overlap: copied compact, then laid out (_in_layout).
+    overlapping = stride is not None and _overlaps(cpu.shape, stride)
+    layout = None if overlapping else stride
     if not _is_cuda(device):
-        dst = _device_like(cpu, device, stride)
+        dst = _device_like(cpu, device, layout)
         dst.copy_(cpu)
+        if overlapping:
+            dst = _in_layout(dst, _layout_storage(cpu, device, stride), stride)
         _in_flight[ticket] = _InFlight(dst, None, cpu.untyped_storage())
     else:
         # The backward has begun: the forward's copies out are waited for and let go.
@@ -326,13 +360,16 @@ def _start_copy(cpu: Tensor, device: torch.device, stride: list[int] | None) -> 
         side = _side_stream(device)
         # Allocated on the current stream, which frees it after its last use; side waits for
         # the kernels the current stream has queued so far (the block's earlier users).
-        dst = _device_like(cpu, device, stride)
+        dst = _device_like(cpu, device, layout)
+        storage = _layout_storage(cpu, device, stride) if overlapping else None
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             dst.copy_(cpu, non_blocking=True)
+            compact, dst = dst, _in_layout(dst, storage, stride) if overlapping else dst
             event = torch.cuda.Event()
             event.record(side)
-        _in_flight[ticket] = _InFlight(dst, event, cpu.untyped_storage())
+        # (the compact copy too: the side stream reads it until the event)
+        _in_flight[ticket] = _InFlight(dst, event, cpu.untyped_storage(), compact)
     out = torch.tensor(ticket, dtype=torch.int64)
     # A ticket dropped unwaited (a backward that raised between the two ops, a prefetched
     # reload whose graph never ran) takes its entry, and with it the destination's device
