@@ -27,7 +27,7 @@ import torch_patches
 from torch_patches._functorch._aot_autograd import loss_head
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, _stages, chunk_bounds, chunked_linear_cross_entropy
 from torch_patches.hooks import budget
-from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests, normalize_graph
+from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests, saved_tensor_records
 
 
 def reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, spec: HeadSpec) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -231,12 +231,17 @@ class TestUnderABudget(TestCase):
         ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
         want = self.step(lm, ids)
         backend = AotEagerAndRecordGraphs()
-        with torch_patches.config.patch(chunked_loss_head="on"):
+        with torch_patches.config.patch(chunked_loss_head="on"), saved_tensor_records() as found:
             got = self.step(lm, ids, budget(0.1, **EXACT), backend)
         for a, e in zip(got, want):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
         calls = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
         self.assertEqual(len(calls), 1 if chunked else 0)
+        # The plan's summary (the log, report()) says so.
+        heads = [h for g in found for p in g.plans for h in p.loss_heads]
+        self.assertEqual(len(heads), 1 if chunked else 0)
+        if chunked:
+            self.assertIn("16 chunks of tokens (48 tokens x 512 vocabulary)", heads[0])
         return backend
 
     def head_golden(self, backend: AotEagerAndRecordGraphs) -> str:

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, chunked_linear_cross_entropy, keeps_logits_exactly
 
 
@@ -357,5 +358,23 @@ def rewrite_loss_heads(gm: fx.GraphModule, memory: float | int) -> list[LossHead
         gm.recompile()
         found = compile_facts.facts()
         if found is not None:
-            found.loss_heads.extend((h.describe(), chunks_for(h, memory), h.tokens, h.vocab) for h in done)
+            found.loss_heads.extend(summary(h, chunks_for(h, memory), recomputes_logits(h, memory)) for h in done)
     return done
+
+
+def summary(head: LossHead, chunks: int, recompute: bool) -> str:
+    """A chunked head in words, for the plan's summary, the log and ``report()``: its
+    chunks, the (tokens x vocabulary) bytes it never saves whole, and the matmul a
+    recomputation of the returned logits adds (estimated on the budget's cost model)."""
+    value = _value(head.linear)
+    rates = Rates.for_device(value.device if isinstance(value, torch.Tensor) else torch.device("cpu"))
+    extra = ""
+    if recompute:
+        flops = 2 * head.tokens * head.vocab * head.hidden
+        extra = f"; one more matmul of the head in the backward, est {flops / rates.flops_per_ms:.3f} ms"
+    chunk = head.logits_bytes // max(1, chunks)
+    return (
+        f"{head.describe()} in {chunks} chunks of tokens ({head.tokens} tokens x {head.vocab} vocabulary): the "
+        f"unchunked head's float32 (tokens x vocabulary) tensors hold {head.logits_bytes} B each, a chunk's "
+        f"{chunk} B; {_logits_fate(head, recompute)}{extra}"
+    )
