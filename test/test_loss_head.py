@@ -191,21 +191,30 @@ class TestPattern(TestCase):
 # ------------------------------------------------------------------ under a budget
 
 
+#: HF causal-LM families: (config class, model class, extra config) by name.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "attn_implementation": "eager"}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"attention_dropout": 0.0, "hidden_dropout": 0.0}),
+}
+
+
 def _hf(family: str, vocab: int = 512):
     try:
         import transformers
     except ImportError:
         raise unittest.SkipTest("needs transformers")
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     if family == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
-    configs = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {"head_dim": 16, "attn_implementation": "eager"}),
-    }
-    config, model, extra = configs[family]
-    return model(config(num_key_value_heads=2, **common, **extra))
+    config, model, extra = FAMILIES[family]
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    return getattr(transformers, model)(getattr(transformers, config)(**common, **extra))
 
 
 #: Exact options only: the body's saved tensors are kept or recomputed, so the step's
@@ -225,10 +234,10 @@ class TestUnderABudget(TestCase):
         loss.backward()
         return [loss.detach()] + [p.grad.clone() for p in lm.parameters() if p.grad is not None]
 
-    def check_family(self, family: str, device: str, chunked: bool = True) -> AotEagerAndRecordGraphs:
+    def check_family(self, family: str, device: str, chunked: bool = True, vocab: int = 512) -> AotEagerAndRecordGraphs:
         torch.manual_seed(0)
-        lm = _hf(family).to(device).train()
-        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+        lm = _hf(family, vocab).to(device).train()
+        ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
         want = self.step(lm, ids)
         backend = AotEagerAndRecordGraphs()
         with torch_patches.config.patch(chunked_loss_head="on"), saved_tensor_records() as found:
@@ -241,7 +250,7 @@ class TestUnderABudget(TestCase):
         heads = [h for g in found for p in g.plans for h in p.loss_heads]
         self.assertEqual(len(heads), 1 if chunked else 0)
         if chunked:
-            self.assertIn("16 chunks of tokens (48 tokens x 512 vocabulary)", heads[0])
+            self.assertIn(f"16 chunks of tokens (48 tokens x {vocab} vocabulary)", heads[0])
         return backend
 
     def head_golden(self, backend: AotEagerAndRecordGraphs) -> str:
@@ -293,6 +302,15 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
         # GPT-2's loss follows a graph break: its head and its loss are in two graphs,
         # nothing to chunk; the step is unchanged.
         self.check_family("gpt2", device, chunked=False)
+
+    @pytest.mark.slow
+    def test_families_at_realistic_vocabularies(self, device: str) -> None:
+        # Every family's head is found and chunked, the step exact, at 32k and 128k tokens.
+        for family in FAMILIES:
+            for vocab in (32768, 131072):
+                with self.subTest(family=family, vocab=vocab):
+                    torch._dynamo.reset()
+                    self.check_family(family, device, vocab=vocab)
 
     def test_torchtitans_call_and_a_sum_over_items(self, device: str) -> None:
         torch.manual_seed(0)
