@@ -28,10 +28,10 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
-from tools.export_upstream._generate import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
+from tools.export_upstream._model import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
 from tools.export_upstream._tests import UPSTREAM_TESTS, HELPERS, Resolver, UpstreamTestError, upstream_test
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
-from tools.export_upstream._write import EFFECTS, LARGE_REASONS, RISKS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
+from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -197,8 +197,10 @@ class TestExport(unittest.TestCase):
         for r in results:
             self.assertIn(f"| {r.number:02d} | {r.subject} |", text)
             if r.module is None:  # a commit that changes behaviour says how much, and its risk
-                self.assertIn(r.name, EFFECTS)
-                self.assertIn(r.name, RISKS)
+                self.assertTrue(r.patch.measured, r.name)
+                self.assertTrue(r.patch.risk, r.name)
+                self.assertIn(f"Effect: {r.patch.measured}.", text)
+                self.assertIn(f"Risk: {r.patch.risk}.", text)
             if r.changed_lines() > REVIEWABLE_LINES:
                 self.assertIn(r.name, LARGE_REASONS, f"{r.name}: {r.changed_lines()} lines without a stated reason")
         large = {r.name for r in results if r.changed_lines() > REVIEWABLE_LINES}
