@@ -58,6 +58,7 @@ def _git(*args, cwd):
 
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
+@pytest.mark.xdist_group("export")  # one worker exports the stack for all of them (pytest.ini)
 class TestExport(unittest.TestCase):
     def test_env_names_agree(self):
         self.assertEqual(UPSTREAM_FORM_ENV, TESTING_ENV)
@@ -100,15 +101,29 @@ class TestExport(unittest.TestCase):
                         return f.read()
             return None
 
+        parsed = {}  # text -> its tree: every name a file imports is looked up in one text
+
+        def parse(text):
+            if text not in parsed:
+                parsed[text] = ast.parse(text)
+            return parsed[text]
+
+        unparsed = {}
+
+        def unparse(node):
+            if node not in unparsed:
+                unparsed[node] = ast.unparse(node)
+            return unparsed[node]
+
         def binds(text, name):
-            for node in ast.parse(text).body:
+            for node in parse(text).body:
                 targets = (
                     [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
                     [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
                     if isinstance(node, (ast.Assign, ast.AnnAssign)) else
                     [a.asname or a.name.split(".")[0] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
                 )
-                if name in targets or isinstance(node, (ast.If, ast.Try)) and name in ast.unparse(node):
+                if name in targets or isinstance(node, (ast.If, ast.Try)) and name in unparse(node):
                     return True
             return False
 
@@ -118,7 +133,7 @@ class TestExport(unittest.TestCase):
             for rel in r.files:
                 if is_test_file(rel) or r.before.get(rel):
                     continue
-                tree = ast.parse(r.after[rel])
+                tree = parse(r.after[rel])
                 aliases = {}
                 for node in ast.walk(tree):
                     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):

@@ -18,6 +18,7 @@
 """
 
 import ast
+import functools
 import importlib.metadata
 import os
 import re
@@ -62,6 +63,13 @@ MAX_LINES = 600
 MAX_BENCH_LINES = 800
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path):
+    """A module's parsed source (the checks below each walk every module)."""
+    with open(path) as f:
+        return ast.parse(f.read())
+
+
 def _modules():
     mods = {}
     for package in PACKAGES:
@@ -78,8 +86,7 @@ def _imports(mods):
     """module -> {imported module of ours}, counting every import statement in the file."""
     edges = {}
     for name, path in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read())
+        tree = _tree(path)
         is_pkg = path.endswith("__init__.py")
         out = set()
         for node in ast.walk(tree):
@@ -222,8 +229,7 @@ class TestLayout(TestCase):
     def test_imports_at_module_top(self):
         late = []
         for name, path in _modules().items():
-            with open(path) as f:
-                body = ast.parse(f.read()).body
+            body = _tree(path).body
             seen_code = False
             for node in body:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -242,9 +248,7 @@ class TestLayout(TestCase):
     def test_units_a_reader_can_hold(self):
         long = []
         for name, path in _modules().items():
-            with open(path) as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
+            for node in ast.walk(_tree(path)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
                     lines = node.end_lineno - node.lineno + 1

@@ -22,7 +22,7 @@ from tools.export_upstream._place import ROOT, Placer, Workspace
 from tools.export_upstream._pysrc import ExportError, Source, apply_edits, def_name_edit, reindent, stmt_binds
 from tools.export_upstream._render import render_file, stage_file
 from tools.export_upstream._trees import Trees
-from tools.fingerprints import from_source_tree
+from tools.fingerprints import fingerprint_of
 
 
 class Job:
@@ -165,8 +165,14 @@ class Job:
             self.ws.added.append(f"{dest}:{final}")
 
     def _check_fingerprint(self) -> None:
+        pristine = StackState()  # the upstream files as the tree holds them, parsed once
+
+        def source_of(module: str) -> tuple[str, ast.Module]:
+            src = self.trees.upstream_source(pristine, module)
+            return src.text, src.tree
+
         try:
-            fp = from_source_tree(self.trees.root, (self.patch.target, *self.patch.depends_on))
+            fp = fingerprint_of((self.patch.target, *self.patch.depends_on), source_of)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             self.ws.notes.append(f"could not fingerprint the upstream code: {e}")
             return

@@ -173,8 +173,8 @@ def _same_definition(a_src: Source, a: ast.stmt, b_src: Source, b: ast.stmt) -> 
     """Same code, ignoring comments, docstrings, annotations and formatting."""
     try:
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            sa = find_definition(a_src.text, a.name)  # type: ignore[union-attr]
-            sb = find_definition(b_src.text, b.name)  # type: ignore[union-attr]
+            sa = find_definition(a_src.text, a.name, a_src.tree)  # type: ignore[union-attr]
+            sb = find_definition(b_src.text, b.name, b_src.tree)  # type: ignore[union-attr]
             return fingerprint_source(sa) == fingerprint_source(sb)
     except Exception:  # noqa: BLE001
         return False
