@@ -33,7 +33,7 @@ from torch_patches.testing import TestCase, instantiate_device_type_tests, peak_
 
 def _llama(device: str, vocab: int = 1024) -> tuple[object, torch.Tensor]:
     try:
-        from torch_patches.bench.models import hf_llama
+        from torch_patches.testing.models import hf_llama
 
         lm = hf_llama(vocab=vocab, dim=64, layers=2, heads=2, seq=64).to(device)
     except ImportError:
@@ -181,7 +181,7 @@ class TestPredictedPeak(TestCase):
         # step holds: Inductor writes the logits' gradient in place of the saved logits,
         # which die in that kernel (the backward gets them donated); counting both
         # predicted 0.98x of no hooks where the step peaked at 0.67x.
-        from torch_patches.bench.models import causal_lm_loss
+        from torch_patches.testing.models import causal_lm_loss
 
         lm, ids = _llama(device, vocab=4096)
         model = causal_lm_loss(lm)
@@ -224,7 +224,7 @@ class TestAtOrBelowStock(TestCase):
         # fitted under what the knapsack holds: the step at or below stock's peak (within
         # the allocator's rounding, 1%).
         try:
-            from torch_patches.bench.models import hf_gpt2
+            from torch_patches.testing.models import hf_gpt2
 
             lm = hf_gpt2(vocab=8192, dim=256, layers=2, heads=4, seq=256).to(device)
         except ImportError:

@@ -1,21 +1,29 @@
-"""The benchmarks' models and inputs, shared with the tests.
+"""Small models built from configs, shared by the tests, ``python -m torch_patches bench``,
+``python -m torch_patches report`` and the research harness (``benchmarks/``).
 
-* :func:`build_model` / :func:`example_input` / :func:`blocks_of`: the models of
-  ``python -m torch_patches bench`` (``mlp8``, ``transformer``, ``llama``), described by a
-  :class:`~torch_patches.bench.case.Case` (its ``model``, ``dim``, ``blocks``, ``batch`` and
-  ``device``).
-* :func:`hf_llama` / :func:`hf_gpt2` and :func:`causal_lm_loss`: Hugging Face causal language
-  models built from configs (random init, no download; they need ``transformers``), used by
-  the bench's ``llama`` and by ``bench --train`` (:mod:`torch_patches.bench.convergence`).
+* :func:`build_model` / :func:`example_input` / :func:`blocks_of`: the bench's models
+  (``mlp8``, ``transformer``, ``llama``), described by a :class:`ModelShape` (a bench row,
+  :class:`~torch_patches.bench.case.Case`).
+* :func:`hf_llama` / :func:`hf_gpt2` / :func:`hf_vit` and :func:`causal_lm_loss`: Hugging Face
+  models built from configs (random init, no download; they need ``transformers``).
+* :func:`report_step`: one training step of a built-in model, for ``report --model``.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from torch_patches.bench.case import Case
+
+class ModelShape(Protocol):
+    """What the bench's model builders read of a row (:class:`~torch_patches.bench.case.Case`)."""
+
+    model: str
+    dim: int
+    blocks: int
+    batch: int
+    device: str
 
 
 # ------------------------------------------------------------ Hugging Face models
@@ -117,7 +125,7 @@ LLAMA_SEQ = 256
 LLAMA_VOCAB = 4096
 
 
-def build_model(case: Case) -> Any:
+def build_model(case: ModelShape) -> Any:
     import torch
 
     d = case.dim
@@ -161,7 +169,7 @@ def build_model(case: Case) -> Any:
     raise ValueError(f"unknown model {case.model!r}")
 
 
-def _llama(case: Case) -> Any:
+def _llama(case: ModelShape) -> Any:
     """Hugging Face Llama from a config (random init, no download; needs transformers):
     hidden ``dim``, ``blocks`` layers, RoPE, SDPA. Called with token ids, returns the loss."""
     try:
@@ -171,7 +179,7 @@ def _llama(case: Case) -> Any:
     return causal_lm_loss(lm)
 
 
-def example_input(case: Case) -> Any:
+def example_input(case: ModelShape) -> Any:
     import torch
 
     if case.model == "llama":
@@ -184,7 +192,7 @@ def example_input(case: Case) -> Any:
     return torch.randn(case.batch, case.dim, device=case.device)
 
 
-def blocks_of(model: Any, case: Case) -> list[Any]:
+def blocks_of(model: Any, case: ModelShape) -> list[Any]:
     """The repeated blocks of a bench model: the Sequential's children, Llama's decoder layers."""
     if case.model == "llama":
         return decoder_layers(model.lm)
@@ -227,9 +235,8 @@ def report_step(name: str, device: str, backend: str = "inductor") -> Callable[[
 
             model, inputs = vit_loss, (torch.randn(8, 3, 32, 32, generator=gen).to(device),)
         elif name == "mlp8":
-            from torch_patches.bench.case import Case
-
-            model = build_model(Case(model="mlp8", device=device, batch=2048, dim=128)).to(device)
+            shape = types.SimpleNamespace(model="mlp8", device=device, batch=2048, dim=128, blocks=8)
+            model = build_model(shape).to(device)
             inputs = (torch.randn(2048, 128, generator=gen).to(device).requires_grad_(),)
         else:
             raise ValueError(f"unknown model {name!r}: llama, gpt2, vit or mlp8")

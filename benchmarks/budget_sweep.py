@@ -1,8 +1,8 @@
 """Budget sweep: ``torch_patches.hooks.budget(F)`` against stock ``activation_memory_budget = F``
 over a range of fractions, planned beside measured.
 
-``python -m torch_patches bench --budget-sweep`` builds the causal language models of
-``bench --train`` (Hugging Face Llama and GPT-2 from configs, random init; the text is
+``python -m benchmarks.budget_sweep`` builds the causal language models of
+:mod:`benchmarks.convergence` (Hugging Face Llama and GPT-2 from configs, random init; the text is
 bytes, ``--vocab`` widens the embedding, the head and the logits) and runs, each in a
 subprocess of its own (its own compile cache): the compiled model without hooks, and per
 fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
@@ -45,8 +45,9 @@ import sys
 import time
 from typing import Any
 
-from torch_patches.bench.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
-from torch_patches.bench.models import CALLS
+from benchmarks.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
+from torch_patches.testing.models import CALLS
 
 
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -213,8 +214,7 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m torch_patches bench --budget-sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.budget_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS))
     parser.add_argument("--layers", type=int, default=4)
@@ -238,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-
-    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
 
     fractions = sorted({float(f) for f in args.fractions.split(",") if f})
     if not fractions or not all(0 < f <= 1 for f in fractions):
