@@ -319,6 +319,9 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
         compile_per_layer(model.lm, backend=cfg.backend, loss=True)
     elif row.compiled and cfg.call == "hf_default":
         model.lm.compile(backend=cfg.backend)  # the HF model's graph returns logits and cache
+    elif row.compiled and cfg.call == "torchtitan":
+        model.lm.compile(backend=cfg.backend)  # the body's graph returns the logits
+        model.loss_fn = torch.compile(model.loss_fn, backend=cfg.backend)  # the loss compiled apart
     elif row.compiled:
         fn = torch.compile(model, backend=cfg.backend)
     params = [p for p in model.parameters() if p.requires_grad]

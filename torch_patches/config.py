@@ -153,10 +153,13 @@ chunked_loss_head_min_bytes: int = 32 * 1024 * 1024
 # The most chunks a head is cut into (the budget sets how many: about 2 / F for a fraction F).
 chunked_loss_head_max_chunks: int = 16
 # Where the model returns its logits (HF's default call), the chunked head's backward reads
-# them again (saved: no extra matmul) under a budget of at least this fraction; below it (or
-# under a budget in bytes), each chunk's logits are recomputed from the hidden states and the
-# head's weight (one more matmul of the head, nothing of tokens x vocabulary saved).
-chunked_loss_head_keep_logits_from: float = 0.5
+# them again (saved whole: no extra matmul, but the tokens x vocabulary logits held from the
+# forward to the backward) under a budget of at least this fraction; below it (or under a
+# budget in bytes), each chunk's logits are recomputed from the hidden states and the head's
+# weight (one more matmul of the head, nothing of tokens x vocabulary saved). Default 1.0:
+# recomputed under every budget, so that the step's peak stays at or below stock's
+# activation_memory_budget (whose knapsack rebuilds the head there too).
+chunked_loss_head_keep_logits_from: float = 1.0
 
 # Which points of a compiled graph an activation memory budget bounds.
 #  "auto" (default): a graph that takes an activation autograd produced before it (a

@@ -66,6 +66,10 @@ CHEAP_RECOMPUTE_BUDGET = 0.999
 #: be and still be taken: the prediction's own rounding, never a real rise.
 PEAK_TOLERANCE = 0.005
 
+#: How close two predicted peaks must be for the prediction not to tell them apart (it is
+#: within 10% of the measured peak): then the partition that meets the budget is taken.
+PREDICTION_MARGIN = 0.10
+
 
 @dataclasses.dataclass
 class PartitionRetry:
@@ -323,7 +327,7 @@ def weigh_knapsack(
         return []
     args = (num_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient)
     ours, default_records = inline_phases.trial_plans(fw_module, bw_module, *args)
-    if len(ours) != 1 or (ours[0].met and not ours[0].lossy):
+    if len(ours) != 1:
         return None
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
     made = _repartition(retry, retry.fraction, num_fwd_outputs, static_input_indices)
@@ -365,7 +369,8 @@ def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], afte
     ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
     rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`;
     ``extra``: :func:`_extra_ms`).  None where it costs more than that but holds less than
-    our plan: ``weigh_knapsack`` fits our plan under it (:func:`_fit_under`)."""
+    our plan, or where both are exact and it holds less: ``weigh_knapsack`` fits our plan
+    under it (:func:`_fit_under`)."""
     if len(theirs) != 1 or theirs[0].lossy:
         return False, "kept out: its plan is not exact"
     mine, knap = ours[0], theirs[0]
@@ -375,9 +380,20 @@ def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], afte
     if not mine.met:
         if scores[0] < scores[1]:
             return True, f"taken over the plan's floor: it holds {scores[0][0]} B against {scores[1][0]} B"
+        if knap.met and scores[0][0] <= scores[1][0] * (1 + PREDICTION_MARGIN):
+            # Closer than the prediction can tell: the partition known to hold less, the one
+            # meeting the budget (stock's own), is taken.
+            return True, (
+                f"taken over the plan's floor: it meets the budget the floor misses, and holds {scores[0][0]} B "
+                f"against {scores[1][0]} B, closer than the prediction's {PREDICTION_MARGIN:.0%}"
+            )
         return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
     if not knap.met:
         return False, "kept out: it misses the budget the plan meets"
+    if not mine.lossy:  # both exact: never above stock, the plan fitted under it where it holds less
+        if scores[0][0] < scores[1][0] * (1 - PEAK_TOLERANCE):
+            return None, f"it holds {scores[0][0]} B where the plan's exact storage holds {scores[1][0]} B"
+        return False, f"kept out: it holds {scores[0][0]} B, no less than the plan's exact storage ({scores[1][0]} B)"
     in_time, allowed = _in_time(mine, extra)
     if in_time:
         return True, (

@@ -86,7 +86,7 @@ def compile_per_layer(lm: Any, backend: str = "inductor", loss: bool = False) ->
 
 
 #: How a causal language model is called (:func:`causal_lm_loss`).
-CALLS = ("bench", "hf_default")
+CALLS = ("bench", "hf_default", "torchtitan")
 
 
 def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
@@ -99,7 +99,10 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
     layers run eagerly.  ``call="hf_default"``: as HF Trainer calls it, ``labels=`` given and
     ``use_cache`` at the model's default (on): ``lm`` returns its logits and the cache's keys
     and values beside the loss (when ``lm`` itself is compiled, outputs of its graph), and
-    the caller keeps only the loss."""
+    the caller keeps only the loss.  ``call="torchtitan"``: the model returns its logits
+    (no labels, no cache) and the loss is torchtitan's ``cross_entropy_loss`` on them
+    (``loss_fn``: the compiler compiles it apart, as torchtitan does), the labels shifted by
+    padding as HF shifts them."""
     import torch
 
     if call not in CALLS:
@@ -110,9 +113,23 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.lm = lm
+            self.loss_fn = cross_entropy_loss
 
         def forward(self, ids: Any) -> Any:
+            if call == "torchtitan":
+                labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+                return self.loss_fn(self.lm(input_ids=ids, use_cache=False).logits, labels)
             return self.lm(input_ids=ids, labels=ids, **extra).loss
+
+    return CausalLMLoss()
+
+
+def cross_entropy_loss(pred: Any, labels: Any) -> Any:
+    """torchtitan's ``cross_entropy_loss``: the logits flattened over the tokens and upcast,
+    a mean over the targets other than -100."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
 
     return CausalLMLoss()
 

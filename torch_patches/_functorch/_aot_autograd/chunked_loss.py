@@ -124,19 +124,34 @@ def _grad_back(g: torch.Tensor, y: torch.Tensor | None, dtype: torch.dtype, name
     return g.to(dtype)
 
 
+@torch.library.custom_op("saved_tensors_hooks::accumulate_mm_", mutates_args=("acc",))
+def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, in ``acc``'s dtype (float32 where ``a`` and ``b`` are lower:
+    on CUDA the matmul accumulates in it, elsewhere its operands are upcast).  A mutating op,
+    so that AOTAutograd functionalizes it and Inductor writes it back in place (its reinplace
+    pass): the weight's gradient accumulates in one buffer over the chunks."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@accumulate_mm_.register_fake
+def _(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
 def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """``acc + g^T h`` in float32 (or the operands' dtype where it is wider), one matmul that adds into the accumulator (``addmm``), so
-    that no chunk's product outlives its chunk (a chain of float32 additions of low-precision
-    products would be fused by Inductor into one kernel reading every chunk's product).  On
-    CUDA a low-precision product accumulates in float32 in the matmul itself
-    (``addmm.dtype``); elsewhere its operands are upcast."""
-    if g.dtype in (torch.bfloat16, torch.float16):
-        if g.is_cuda:
-            if acc is None:
-                return torch.ops.aten.mm.dtype(g.t(), h, torch.float32)
-            return torch.ops.aten.addmm.dtype(acc, g.t(), h, torch.float32)
-        g, h = g.float(), h.float()
-    return g.t() @ h if acc is None else torch.addmm(acc, g.t(), h)
+    """``acc + g^T h`` in float32 (or the operands' dtype where it is wider), into one
+    buffer over the chunks (:func:`accumulate_mm_`): no chunk's product outlives its chunk,
+    and the accumulator is not copied per chunk."""
+    if acc is None:
+        wide = torch.float32 if g.dtype in (torch.bfloat16, torch.float16) else g.dtype
+        acc = torch.zeros(g.shape[1], h.shape[1], dtype=wide, device=g.device)
+    accumulate_mm_(acc, g.t(), h)
+    return acc
 
 
 def _chunk_loss(z: torch.Tensor, t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:

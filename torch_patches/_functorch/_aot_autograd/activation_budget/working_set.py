@@ -85,7 +85,41 @@ def _fuses_pointwise(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return act_inputs.storage_root(node) is not node or node.target is operator.getitem
+    """A view of another node's storage: a view op, or one result of a view op or of a
+    functionalized mutation (``_root``).  One result of any other multi-output op (the
+    attention's output, a norm's) is a buffer that op's kernel made."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        made_by = node.args[0]
+        return made_by.op != "call_function" or getattr(made_by.target, "is_view", False) or made_by.target in _FUNCTIONALIZED or _root(node) is not node
+    return act_inputs.storage_root(node) is not node
+
+
+_FUNCTIONALIZED = tuple(
+    op for op in (getattr(torch.ops.higher_order, "auto_functionalized", None), getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
+    if op is not None
+)
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` reads (``activation_inputs.storage_root``), where a
+    functionalized mutation's results (``auto_functionalized``: the op's output, then the
+    mutated inputs) are the inputs it mutated: Inductor writes them back in place."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        op, index = node.args[0], node.args[1]
+        if op.target in _FUNCTIONALIZED and isinstance(index, int) and index >= 1:
+            bases = op.kwargs.get("_all_bases")
+            if bases is None:  # v1: the mutated arguments, in the op's schema order
+                schema = op.args[0]._schema
+                bases = [op.kwargs[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if index - 1 < len(bases) and isinstance(bases[index - 1], fx.Node):
+                return _root(bases[index - 1])
+    return act_inputs.storage_root(node)
+
+
+def _runs_in_place(node: fx.Node) -> bool:
+    """A node that is a kernel of its own but makes no tensor of its own: a functionalized
+    mutation (written back in place), or a multi-output op (its results are its getitems)."""
+    return node.op == "call_function" and node.target is not operator.getitem and not isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def materialized(node: fx.Node) -> bool:
@@ -124,7 +158,7 @@ def kernel_ends(graph: fx.Graph, order: list[fx.Node] | None = None) -> list[int
     pos = {n: i for i, n in enumerate(nodes)}
     out = list(range(len(nodes)))
     for n in reversed(nodes):
-        if n.op == "call_function" and not materialized(n) and n.users:
+        if n.op == "call_function" and not materialized(n) and not _runs_in_place(n) and n.users:
             out[pos[n]] = max(out[pos[u]] if u.op != "output" else len(nodes) - 1 for u in n.users)
     return out
 
@@ -135,7 +169,7 @@ def _kernel_inputs(node: fx.Node) -> list[fx.Node]:
     out, stack, seen = [], list(node.all_input_nodes), set()
     while stack:
         arg = stack.pop()
-        root = act_inputs.storage_root(arg)
+        root = _root(arg)
         if root in seen:
             continue
         seen.add(root)
@@ -195,14 +229,14 @@ def held_bytes(
     in it (saved tensors the compiled backward owns)."""
     nodes = list(graph.nodes) if order is None else order
     pos = {n: i for i, n in enumerate(nodes)}
-    skip = {act_inputs.storage_root(n) for n in excluded}
+    skip = {_root(n) for n in excluded}
     dropped, donated = set(dropped), set(donated)
     end = len(nodes)
     ends = kernel_ends(graph, order)
     last: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            root = act_inputs.storage_root(arg)
+            root = _root(arg)
             last[root] = max(last.get(root, -1), end if n.op == "output" else ends[pos[n]])
     diff = [0] * (end + 1)
     free_at: dict[fx.Node, int] = {}
@@ -235,7 +269,7 @@ def _kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
 
     def kernels(u: fx.Node) -> set[fx.Node]:
         if u not in memo:
-            if u.op == "output" or materialized(u) or u.op != "call_function" or not u.users:
+            if u.op == "output" or materialized(u) or _runs_in_place(u) or u.op != "call_function" or not u.users:
                 memo[u] = {u}
             else:
                 memo[u] = set().union(*(kernels(w) for w in u.users))
@@ -244,7 +278,7 @@ def _kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     out: dict[fx.Node, set[fx.Node]] = collections.defaultdict(set)
     for n in reversed(list(graph.nodes)):
         for arg in n.all_input_nodes:
-            out[act_inputs.storage_root(arg)] |= kernels(n)
+            out[_root(arg)] |= kernels(n)
     return out
 
 
@@ -257,7 +291,7 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
     end but ``dropped``; ``excluded`` storages not counted)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    skip = {act_inputs.storage_root(n) for n in excluded}
+    skip = {_root(n) for n in excluded}
     dropped = set(dropped)
     readers = _kernels_reading(graph)
     remaining = {r: len(k) for r, k in readers.items()}
