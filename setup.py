@@ -31,8 +31,8 @@ setup(
         # so resolving it here would replace a CPU torch (2.13.0+cpu -> 2.15.0 with CUDA
         # libraries); the test imports timm without torchvision.
         "models": ["transformers>=4.50"],
-        # python -m torch_patches bench --train: the models, and the loss curves as a PNG
-        # (the table prints without matplotlib).
+        # The research harness (python -m benchmarks.convergence, from a clone) and the report's
+        # pictures: the models, and the loss curves as a PNG (the tables print without matplotlib).
         "bench": ["transformers>=4.50", "matplotlib"],
     },
     entry_points={"console_scripts": ["torch-patches=torch_patches.__main__:main"]},

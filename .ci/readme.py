@@ -1,6 +1,7 @@
 """README's "Try it", as a newcomer runs it: ``python .ci/readme.py try-it`` prints the
-commands of its bash block (one a line), ``python .ci/readme.py example`` the README's first
-Python example (to run as a script)."""
+commands of its bash block (one a line) but the clone (``git clone ...`` and ``cd``: CI runs
+in a clone already), ``python .ci/readme.py example`` the README's first Python example (to
+run as a script)."""
 
 import os
 import re
@@ -21,7 +22,9 @@ def main(what: str) -> None:
     elif what == "try-it":
         section = text.split("## Try it", 1)[1]
         for line in blocks(section, "bash")[0].splitlines():
-            print(line.split("#", 1)[0].strip())
+            command = line.split("#", 1)[0].strip()
+            if not command.startswith("git clone "):
+                print(command)
     else:
         raise SystemExit(f"usage: {sys.argv[0]} try-it|example")
 

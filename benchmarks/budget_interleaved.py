@@ -17,8 +17,8 @@ import warnings
 import torch
 
 import torch_patches
-from torch_patches.bench.case import Case
-from torch_patches.bench.models import build_model, example_input
+from torch_patches.bench import Case
+from torch_patches.testing.models import build_model, example_input
 from torch_patches.hooks import budget, fp8_rowwise
 
 

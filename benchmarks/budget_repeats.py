@@ -1,6 +1,6 @@
 """Step time of activation-memory budgets against uniform fp8 at equal peak, repeated.
 
-Runs each row in a fresh process (``torch_patches.bench.run.run_in_subprocess``: a cold
+Runs each row in a fresh process (``torch_patches.bench.run_in_subprocess``: a cold
 compile cache of its own), five rounds with the rows alternating, so slow phases of a shared
 machine fall on every row alike.  Writes ``{row: [[step_s, peak_bytes, saved_bytes], ...]}``
 to the JSON path given and prints each row's median step time.
@@ -12,8 +12,7 @@ import json
 import statistics
 import sys
 
-from torch_patches.bench.case import Case
-from torch_patches.bench.run import run_in_subprocess
+from torch_patches.bench import Case, run_in_subprocess
 
 ROUNDS = 5
 

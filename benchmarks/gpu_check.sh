@@ -20,7 +20,8 @@
 #    generated code's order of offloads and reloads.
 # llama takes about five and a half minutes on an H100, tests about four: run them as two
 # calls (STAGES=llama, then STAGES=tests) where one command may run at most ten minutes.
-# STAGES="table" (say) runs a subset.
+# STAGES="table" (say) runs a subset; STAGES="head" the loss head at a 128k vocabulary (two
+# sweeps of three rows, each row a fresh process: a few minutes).
 # Writes pytest's report, the failures, the tables and their JSON under $OUT (default:
 # ./gpu-check).
 set -u
@@ -82,6 +83,20 @@ timeout "${TALL_TIMEOUT:-150}" python3 benchmarks/gpu_offload_profile.py --rows 
     --out "$OUT/tall" --json "$OUT/tall/tall.json" > "$OUT/tall/tall.log" 2>&1
 echo "tall rc=$?"
 grep -E "^(variant|no-hooks|upstream|offload|fp8)|Error" "$OUT/tall/tall.log" | tail -6
+}
+
+stage_head() {
+# The loss head at Llama 3's vocabulary (128,256 tokens; 4 layers x 2048, batch 4 x 2048, fp32):
+# no hooks, budget(0.1) and stock's activation_memory_budget 0.1, at HF's default call (the
+# chunked head) and at torchtitan's (the loss compiled apart: the head's matmul in another graph).
+mkdir -p "$OUT/head"
+for call in hf_default torchtitan; do
+    timeout "${HEAD_TIMEOUT:-240}" python3 -m benchmarks.budget_sweep --models llama --fractions 0.1 --layers 4 \
+        --dim 2048 --heads 16 --seq 2048 --batch 4 --vocab 128256 --call "$call" --steps 4 --device cuda \
+        --json "$OUT/head/$call.json" > "$OUT/head/$call.log" 2>&1
+    echo "head $call rc=$?"
+    grep -E "^\| 0.1|no hooks|above|planned" "$OUT/head/$call.log"
+done
 }
 
 # The stages in the order STAGES names them.

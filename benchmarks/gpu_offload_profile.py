@@ -46,9 +46,9 @@ import torch
 
 import torch_patches
 import torch_patches.hooks
-from torch_patches.bench.case import Case
+from torch_patches.bench import Case
 from torch_patches.bench.measure import saved_bytes_by_device
-from torch_patches.bench.models import build_model, causal_lm_loss, compile_per_layer, hf_llama
+from torch_patches.testing.models import build_model, causal_lm_loss, compile_per_layer, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
 from torch_patches.testing import saved_tensor_records
 
@@ -236,6 +236,21 @@ def build(row: Row, args: argparse.Namespace) -> tuple[Any, Any]:
     return model, torch.randn(batch, dim, device=args.device, requires_grad=True)
 
 
+def plans_of(compiled: Any) -> list[dict[str, Any]]:
+    """The budget plans of the compiled graphs (one per graph): what each planned."""
+    return [
+        {
+            "met": p.met, "bounds": p.bounds, "preference": p.preference,
+            "planned_x": round(p.planned_bytes / max(p.baseline_bytes, 1), 3),
+            "peak_x": round(p.peak_bytes / max(p.baseline_bytes, 1), 3),
+            "options": dict(collections.Counter(u.option for u in p.units)),
+            "copy_ms": round(p.copy_ms, 3), "copy_exposed_ms": round(p.copy_exposed_ms, 3),
+            "ahead_MiB": round(p.ahead_bytes / MiB, 1),
+        }
+        for c in compiled for p in c.plans
+    ]
+
+
 def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     row = ROWS[name]
     import torch._dynamo
@@ -299,18 +314,7 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         else:
             with saved_tensor_records() as compiled:
                 step()
-            # The budget plans of the compiled graphs (one per graph): what each planned.
-            out["plans"] = [
-                {
-                    "met": p.met, "bounds": p.bounds, "preference": p.preference,
-                    "planned_x": round(p.planned_bytes / max(p.baseline_bytes, 1), 3),
-                    "peak_x": round(p.peak_bytes / max(p.baseline_bytes, 1), 3),
-                    "options": dict(collections.Counter(u.option for u in p.units)),
-                    "copy_ms": round(p.copy_ms, 3), "copy_exposed_ms": round(p.copy_exposed_ms, 3),
-                    "ahead_MiB": round(p.ahead_bytes / MiB, 1),
-                }
-                for c in compiled for p in c.plans
-            ]
+            out["plans"] = plans_of(compiled)
         sync()
         out["compile_s"] = time.perf_counter() - t0
         step(measure=True)

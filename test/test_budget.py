@@ -47,7 +47,7 @@ from torch_patches._functorch._aot_autograd.activation_budget import cost_model,
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import block_working_set, saved_bytes, saved_bytes_by_device, saved_tensors
-from torch_patches.bench.models import blocks_of, build_model, example_input
+from torch_patches.testing.models import blocks_of, build_model, example_input
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
 from torch_patches.testing import (
@@ -1050,7 +1050,7 @@ class TestBudgetOnModels(BudgetTestCase):
         # warm step never rises, stays below the step without hooks, and every fraction
         # below the floor plans (and measures) the same.
         pytest.importorskip("transformers")
-        from torch_patches.bench.models import causal_lm_loss, hf_llama
+        from torch_patches.testing.models import causal_lm_loss, hf_llama
 
         torch.manual_seed(0)
         model = causal_lm_loss(hf_llama(vocab=2048, dim=128, layers=2, heads=4, seq=128)).to(device)

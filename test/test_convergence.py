@@ -1,4 +1,4 @@
-"""The convergence benchmark (``python -m torch_patches bench --train``) and the bound it
+"""The convergence benchmark (``python -m benchmarks.convergence``) and the bound it
 puts on the lossy hooks.
 
 * Fast: the pieces (real text, disjoint splits, seeded batches, the learning-rate schedule,
@@ -23,8 +23,8 @@ import unittest
 import pytest
 import torch
 
-from torch_patches.bench import convergence as cv, convergence_report as report
-from torch_patches.bench.models import decoder_layers
+from benchmarks import ROOT, convergence as cv, convergence_report as report
+from torch_patches.testing.models import decoder_layers
 from torch_patches.testing import TestCase
 
 
@@ -143,12 +143,12 @@ class TestTrainBenchEndToEnd(unittest.TestCase):
             out, png = os.path.join(tmp, "train.json"), os.path.join(tmp, "train.png")
             proc = subprocess.run(
                 [
-                    sys.executable, "-m", "torch_patches", "bench", "--train", "--models", "llama,gpt2",
+                    sys.executable, "-m", "benchmarks.convergence", "--models", "llama,gpt2",
                     "--rows", "fp8_rowwise,budget:0.5", "--seeds", "0", "--steps", "6", "--layers", "1",
                     "--dim", "32", "--seq", "32", "--batch", "2", "--eval-every", "3", "--eval-batches", "2",
                     "--backend", "aot_eager", "--json", out, "--png", png,
                 ],
-                capture_output=True, text=True, timeout=600,
+                capture_output=True, text=True, timeout=600, cwd=ROOT,
             )
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(out) as f:

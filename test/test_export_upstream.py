@@ -28,10 +28,10 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
-from tools.export_upstream._generate import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
+from tools.export_upstream._model import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
 from tools.export_upstream._tests import UPSTREAM_TESTS, HELPERS, Resolver, UpstreamTestError, upstream_test
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
-from tools.export_upstream._write import EFFECTS, LARGE_REASONS, RISKS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
+from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -58,6 +58,7 @@ def _git(*args, cwd):
 
 
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
+@pytest.mark.xdist_group("export")  # one worker exports the stack for all of them (pytest.ini)
 class TestExport(unittest.TestCase):
     def test_env_names_agree(self):
         self.assertEqual(UPSTREAM_FORM_ENV, TESTING_ENV)
@@ -100,15 +101,29 @@ class TestExport(unittest.TestCase):
                         return f.read()
             return None
 
+        parsed = {}  # text -> its tree: every name a file imports is looked up in one text
+
+        def parse(text):
+            if text not in parsed:
+                parsed[text] = ast.parse(text)
+            return parsed[text]
+
+        unparsed = {}
+
+        def unparse(node):
+            if node not in unparsed:
+                unparsed[node] = ast.unparse(node)
+            return unparsed[node]
+
         def binds(text, name):
-            for node in ast.parse(text).body:
+            for node in parse(text).body:
                 targets = (
                     [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
                     [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
                     if isinstance(node, (ast.Assign, ast.AnnAssign)) else
                     [a.asname or a.name.split(".")[0] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
                 )
-                if name in targets or isinstance(node, (ast.If, ast.Try)) and name in ast.unparse(node):
+                if name in targets or isinstance(node, (ast.If, ast.Try)) and name in unparse(node):
                     return True
             return False
 
@@ -118,7 +133,7 @@ class TestExport(unittest.TestCase):
             for rel in r.files:
                 if is_test_file(rel) or r.before.get(rel):
                     continue
-                tree = ast.parse(r.after[rel])
+                tree = parse(r.after[rel])
                 aliases = {}
                 for node in ast.walk(tree):
                     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
@@ -197,8 +212,10 @@ class TestExport(unittest.TestCase):
         for r in results:
             self.assertIn(f"| {r.number:02d} | {r.subject} |", text)
             if r.module is None:  # a commit that changes behaviour says how much, and its risk
-                self.assertIn(r.name, EFFECTS)
-                self.assertIn(r.name, RISKS)
+                self.assertTrue(r.patch.measured, r.name)
+                self.assertTrue(r.patch.risk, r.name)
+                self.assertIn(f"Effect: {r.patch.measured}.", text)
+                self.assertIn(f"Risk: {r.patch.risk}.", text)
             if r.changed_lines() > REVIEWABLE_LINES:
                 self.assertIn(r.name, LARGE_REASONS, f"{r.name}: {r.changed_lines()} lines without a stated reason")
         large = {r.name for r in results if r.changed_lines() > REVIEWABLE_LINES}

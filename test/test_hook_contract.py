@@ -265,7 +265,7 @@ class TestUnpackValidation(TestCase):
         # cannot be spelled there, so the stride order is restored instead. It was a
         # NameError at the backward's first call (aot_eager), a LoweringException (Inductor).
         from torch_patches.bench.case import Case
-        from torch_patches.bench.models import build_model, example_input
+        from torch_patches.testing.models import build_model, example_input
 
         case = Case(model="transformer", device=device, batch=64, dim=64, blocks=1)
         torch.manual_seed(0)

@@ -31,6 +31,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.testing._internal.common_utils import parametrize
 
 import identity_cfg
 import identity_deps as deps
@@ -104,12 +105,9 @@ class IdentityTestCase(TestCase):
 
 
 class TestHookIdentity(IdentityTestCase):
-    def test_every_kind_aot_eager(self, device):
-        for name in sorted(deps.KINDS):
-            with self.subTest(kind=name):
-                torch._dynamo.reset()
-                deps.set_all(1.0)
-                self.check_change(name, 1.0, 2.0, device=device)
+    @parametrize("name", sorted(deps.KINDS))  # a test per kind: each is four compiles
+    def test_every_kind_aot_eager(self, device, name):
+        self.check_change(name, 1.0, 2.0, device=device)
 
     @pytest.mark.slow  # 25 generated changes; fast twin: test_every_kind_aot_eager (each kind, fixed values)
     @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)

@@ -1,15 +1,16 @@
 """The package's structure, as ARCHITECTURE.md states it.
 
-* At most one import loop between modules of ``torch_patches`` and ``tools`` (imports at
-  module top and inside functions alike): the export tool's two halves.
+* No import loop between modules of ``torch_patches``, ``tools`` and ``benchmarks``
+  (imports at module top and inside functions alike).
 * The hooks library (``torch_patches/hooks``) imports nothing of the compiler
   (``torch_patches/_dynamo``, ``_functorch``, ``_inductor``): the line between them is
   one-way (the compiler imports the library's markers and numerics allowlist).
 * Imports sit at the top of each module (no import after code at module level).
 * Modules sit where they go upstream: at most 8 at the package root.
 * Units a reader can hold: no function over 100 lines, no class over 400, in
-  ``torch_patches`` and ``tools``; the budget wing and the bench keep each module under 600
-  lines.
+  ``torch_patches``, ``tools`` and ``benchmarks``; the budget wing, the bench and the
+  benchmarks keep each module under 600 lines, and the package's bench stays small (at most
+  800 lines in all: the research harness is ``benchmarks/``, outside the package).
 * What runs at every compiled call sits in marked sections (``PER_CALL``).
 * What the base install runs (``import torch_patches``, ``apply()``, the command line and
   every module it imports) imports no package that only an extra of setup.py provides.
@@ -17,6 +18,7 @@
 """
 
 import ast
+import functools
 import importlib.metadata
 import os
 import re
@@ -30,17 +32,15 @@ from torch_patches.testing import TestCase
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("torch_patches", "tools")
-#: The one loop allowed: the export tool's two halves (the generator and the writer).
-ALLOWED_LOOPS = [
-    {"tools.export_upstream._generate", "tools.export_upstream._write"},
-]
+PACKAGES = ("torch_patches", "tools", "benchmarks")
+#: Import loops allowed: none.
+ALLOWED_LOOPS: list[set[str]] = []
 #: Modules at the package root (the rest sit where they go upstream, or in packages).
 MAX_ROOT_MODULES = 8
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 400
 COMPILER = ("torch_patches._dynamo", "torch_patches._functorch", "torch_patches._inductor")
-SIZE_LIMITED = ("torch_patches/bench", "torch_patches/_functorch/_aot_autograd/activation_budget")
+SIZE_LIMITED = ("torch_patches/bench", "torch_patches/_functorch/_aot_autograd/activation_budget", "benchmarks")
 #: What runs at every compiled call (ARCHITECTURE.md, "What runs per compiled call"), in
 #: the modules that also hold compile-time code: in each, these functions sit in the section
 #: under the per-call banner (a line starting ``# ===`` and ending ``per compiled call``).
@@ -58,6 +58,16 @@ PER_CALL = {
     ),
 }
 MAX_LINES = 600
+#: The package's bench (the memory/speed table of ``python -m torch_patches bench``), in all:
+#: the research harness built on it lives in ``benchmarks/``, outside the package.
+MAX_BENCH_LINES = 800
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path):
+    """A module's parsed source (the checks below each walk every module)."""
+    with open(path) as f:
+        return ast.parse(f.read())
 
 
 def _modules():
@@ -76,8 +86,7 @@ def _imports(mods):
     """module -> {imported module of ours}, counting every import statement in the file."""
     edges = {}
     for name, path in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read())
+        tree = _tree(path)
         is_pkg = path.endswith("__init__.py")
         out = set()
         for node in ast.walk(tree):
@@ -186,7 +195,7 @@ class TestLayout(TestCase):
                 importlib.import_module(module)
             from torch_patches.__main__ import main
             assert main(["status"]) == 0
-            for argv in (["demo", "--help"], ["bench", "--help"], ["bench", "--overhead", "--help"]):
+            for argv in (["demo", "--help"], ["bench", "--help"], ["report", "--help"]):
                 try:
                     main(argv)
                 except SystemExit as e:
@@ -220,8 +229,7 @@ class TestLayout(TestCase):
     def test_imports_at_module_top(self):
         late = []
         for name, path in _modules().items():
-            with open(path) as f:
-                body = ast.parse(f.read()).body
+            body = _tree(path).body
             seen_code = False
             for node in body:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -240,9 +248,7 @@ class TestLayout(TestCase):
     def test_units_a_reader_can_hold(self):
         long = []
         for name, path in _modules().items():
-            with open(path) as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
+            for node in ast.walk(_tree(path)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
                     lines = node.end_lineno - node.lineno + 1
@@ -275,6 +281,15 @@ class TestLayout(TestCase):
                         if n > MAX_LINES:
                             big[os.path.relpath(os.path.join(dirpath, f), ROOT)] = n
         self.assertEqual(big, {})
+
+    def test_the_packages_bench_is_small(self):
+        lines = {}
+        for dirpath, _, files in os.walk(os.path.join(ROOT, "torch_patches", "bench")):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(dirpath, f)) as fh:
+                        lines[f] = sum(1 for _ in fh)
+        self.assertLessEqual(sum(lines.values()), MAX_BENCH_LINES, lines)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import json
 import os
@@ -65,10 +66,18 @@ def _step(backend: str = "aot_eager") -> tuple[Net, Any]:
     return model, step
 
 
+@functools.cache
+def _found(kind: str) -> tuple[Net, Any]:
+    """One report of a fresh ``Net``'s step, with ``bf16()`` hooks or a budget of 0.5; the
+    tests below only read it, so each is made once (a report compiles, and plans every
+    fraction for its pareto)."""
+    model, step = _step()
+    return model, torch_patches.report(step, **({"hooks": bf16()} if kind == "bf16" else {"budget": 0.5}))
+
+
 class TestRows(TestCase):
     def test_rows_name_modules_and_what_was_stored(self) -> None:
-        model, step = _step()
-        found = torch_patches.report(step, hooks=bf16())
+        model, found = _found("bf16")
         modules = dict(model.named_modules())
         self.assertEqual(len(found.graphs), 1)
         self.assertEqual(len(found.rows), len(found.graphs[0].records))
@@ -97,7 +106,7 @@ class TestRows(TestCase):
         self.assertTrue(plain.rows)
         self.assertEqual({r["decision"] for r in plain.rows}, {"unhooked"})
         self.assertTrue(all(r["device_bytes"] == r["bytes"] for r in plain.rows))
-        planned = torch_patches.report(step, budget=0.5)
+        _, planned = _found("budget")
         self.assertEqual(planned.hooks, "budget(0.5)")
         # Every tensor the default partition saves has its row: stored otherwise, kept, or
         # recomputed (by the plan, or by the partitioner's knapsack where that was taken, which
@@ -108,8 +117,7 @@ class TestRows(TestCase):
             torch_patches.report(step, hooks=bf16(), budget=0.5)
 
     def test_table_groups_by_module_with_totals(self) -> None:
-        _, step = _step()
-        found = torch_patches.report(step, hooks=bf16())
+        _, found = _found("bf16")
         text = found.table()
         groups = found.by_module()
         self.assertEqual(sum(g["count"] for g in groups.values()), len(found.rows))
@@ -123,8 +131,7 @@ class TestRows(TestCase):
         self.assertTrue(any("addmm" in line or "input" in line for line in lines[start + 2 : start + 6]))
 
     def test_timeline_and_pareto(self) -> None:
-        _, step = _step()
-        found = torch_patches.report(step, budget=0.5)
+        _, found = _found("budget")
         t = found.timeline()
         self.assertEqual(len(t["with"]), len(t["without"]))
         self.assertTrue(all(w <= wo for w, wo in zip(t["with"], t["without"])), t)
@@ -140,8 +147,7 @@ class TestRows(TestCase):
         self.assertEqual(stock_bytes[-1], max(stock_bytes))
 
     def test_save_writes_text_csv_and_pictures(self) -> None:
-        _, step = _step()
-        found = torch_patches.report(step, budget=0.5)
+        _, found = _found("budget")
         with tempfile.TemporaryDirectory() as out:
             paths = found.save(out)
             self.assertEqual(set(paths), {"report.txt", "report.csv", "timeline.png", "pareto.png"})

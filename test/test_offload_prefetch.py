@@ -254,7 +254,7 @@ def _raise(grad: torch.Tensor) -> None:
 class TestReloadsAheadLlama(TestCase):
     def test_llama_compiled_per_layer(self, device: str) -> None:
         try:
-            from torch_patches.bench.models import causal_lm_loss, decoder_layers, hf_llama
+            from torch_patches.testing.models import causal_lm_loss, decoder_layers, hf_llama
         except ImportError:
             raise unittest.SkipTest("needs transformers")
         try:
@@ -369,7 +369,7 @@ class TestLossInThePlan(TestCase):
 
     def llama(self, device: str) -> tuple[Any, Any, torch.Tensor]:
         try:
-            from torch_patches.bench.models import causal_lm_loss, hf_llama
+            from torch_patches.testing.models import causal_lm_loss, hf_llama
 
             lm = hf_llama(vocab=2048, dim=64, layers=2, heads=2, seq=64).to(device)
         except ImportError:
@@ -386,7 +386,7 @@ class TestLossInThePlan(TestCase):
 
     def test_loss_compiled_on_its_own(self, device: str) -> None:
         # torchtitan's shape: the layers compiled apart, the loss compiled on its own.
-        from torch_patches.bench.models import compile_per_layer
+        from torch_patches.testing.models import compile_per_layer
 
         lm, model, ids = self.llama(device)
         compile_per_layer(lm, backend="aot_eager", loss=True)

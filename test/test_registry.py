@@ -6,6 +6,7 @@ import inspect
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -78,6 +79,25 @@ class TestRecords(TestCase):
             self.assertTrue(patch.tests, f"{patch.name} names no tests")
             for test in patch.tests:
                 self.assertTrue(os.path.exists(os.path.join(REPO, test)), f"{patch.name}: {test}")
+
+    def test_records_say_what_they_change_and_risk(self):
+        # What a reviewer weighs each upstream commit by (its SUMMARY.md entry): every patch,
+        # and every effect exported as a commit of its own, says what it changes, measured,
+        # and what could go wrong; an effect with no commit of its own has nowhere to say it.
+        from torch_patches._registry.patches import EFFECTS
+
+        for record in (*PATCHES, *(e for e in EFFECTS if e.upstream is not None)):
+            for field in ("measured", "risk"):
+                text = getattr(record, field)
+                self.assertTrue(text and text == text.strip(), f"{record.name}: {field}")
+                self.assertFalse(text.endswith("."), f"{record.name}: {field} (the summary adds the full stop)")
+        for e in EFFECTS:
+            if e.upstream is None:
+                self.assertEqual((e.measured, e.risk), ("", ""), e.name)
+        # A result page it cites exists.
+        for record in (*PATCHES, *EFFECTS):
+            for path in re.findall(r"benchmarks/[\w./-]+\.md", record.measured):
+                self.assertTrue(os.path.exists(os.path.join(REPO, path)), f"{record.name}: {path}")
 
     def test_validate_records_catches_problems(self):
         good = PATCHES[0]

@@ -14,26 +14,38 @@ upstream code".
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
+from collections.abc import Callable, Iterable
 
 from torch_patches import _registry
 from torch_patches._registry.fingerprints import FINGERPRINTS_FILE as _FINGERPRINTS_FILE
 from torch_patches._registry.patches import PATCHES
 
 
-def from_source_tree(root: str, targets: tuple[str, ...]) -> str:
+def fingerprint_of(targets: Iterable[str], source_of: Callable[[str], tuple[str, ast.Module]]) -> str:
+    """The fingerprint of ``targets`` (``module:Qual.name``), each module's text and tree
+    given by ``source_of(module)``."""
     parts = []
     for target in targets:
         module, _, qual = target.partition(":")
+        source, tree = source_of(module)
+        parts.append(_registry.fingerprint_source(_registry.find_definition(source, qual, tree)))
+    return _registry.combine_fingerprints(parts)
+
+
+def from_source_tree(root: str, targets: tuple[str, ...]) -> str:
+    def read(module: str) -> tuple[str, ast.Module]:
         path = os.path.join(root, *module.split(".")) + ".py"
         if not os.path.exists(path):
             path = os.path.join(root, *module.split("."), "__init__.py")
         with open(path) as f:
             source = f.read()
-        parts.append(_registry.fingerprint_source(_registry.find_definition(source, qual)))
-    return _registry.combine_fingerprints(parts)
+        return source, ast.parse(source)
+
+    return fingerprint_of(targets, read)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import json
 import sys
 import textwrap
 
+from torch_patches import bench
+
 
 def cmd_status(args: argparse.Namespace) -> int:
     import torch
@@ -44,9 +46,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch.fx
 
     import torch_patches
-    from torch_patches.bench.case import Case
-    from torch_patches.bench.report import format_table
-    from torch_patches.bench.run import _cast_hooks, run_all
     from torch_patches.testing._internal.saved_tensors_hooks_graphs import AotEagerAndRecordGraphs, normalize_graph
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +53,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"torch {torch.__version__} on {device}; {len(torch_patches.applied_patches())} patches applied\n")
 
     # 1. A small MLP with GraphModule saved-tensor hooks, graphs printed.
-    pack, unpack = _cast_hooks(torch.bfloat16)
+    pack, unpack = bench.cast_hooks(torch.bfloat16)
     pack_gm, unpack_gm = torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -79,14 +78,80 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         common.update(batch=4096, dim=1024)
     cases = [
-        Case(backend=args.backend, mode=mode, **common)  # type: ignore[arg-type]
+        bench.Case(backend=args.backend, mode=mode, **common)  # type: ignore[arg-type]
         for mode in ("no-hooks", "stock-inline", "ours")
     ]
     what = "RSS high-water mark of one step" if device == "cpu" else "max_memory_allocated of one step"
     print(f"\nPeak memory ({what}), 8-block MLP, backend={args.backend}, {args.hook} hooks:")
-    results = run_all(cases, progress=False)
-    print(textwrap.indent(format_table(results), "  "))
+    results = bench.run_all(cases, progress=False)
+    print(textwrap.indent(bench.format_table(results), "  "))
     return 1 if any("error" in r for r in results) else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The memory and speed table (:mod:`torch_patches.bench`, ``docs/bench.md``); with
+    ``--worker``, one row in this process (each row's fresh process runs that)."""
+    if args.worker:
+        print(json.dumps(bench.run_case(bench.Case(**json.loads(args.worker)))))
+        return 0
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batch, dim = (8192, 4096) if device == "cuda" else (2048, 128)
+    if args.small:
+        batch, dim = 256, 32
+    common = dict(
+        device=device,
+        batch=args.batch or batch,
+        dim=args.dim or dim,
+        blocks=args.blocks,
+        steps=args.steps,
+        reorder_for_peak_memory=not args.no_reorder,
+    )
+    cases = bench.cases_for(
+        models=args.models.split(","),
+        backends=args.backends.split(","),
+        hooks=[h for h in args.hooks.split(",") if h],  # --hooks "": no hook rows
+        modes=args.modes.split(","),
+        budgets=args.budget,
+        **common,
+    )
+    results = bench.run_all(cases)
+    print(f"torch {torch.__version__}, device {device}, batch {common['batch']}, dim {common['dim']}, blocks {args.blocks}")
+    print(bench.format_table(results))
+    bench.write_json(args.json, common, results)
+    print(f"results written to {args.json}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--models", default="mlp8", help="comma list: mlp8, transformer, llama (HF config; needs transformers)")
+    p.add_argument("--backends", default="aot_eager,inductor")
+    p.add_argument(
+        "--hooks",
+        default="bf16,fp8",
+        help="bf16, fp8, torch_patches.hooks names (fp8_rowwise, int8_rowwise, cpu_offload) "
+        "or fp8_rowwise+cpu_offload (chained); NAME:all for a lossy library hook without its numerics-safe selection; "
+        "bf16_scaled: bf16 with a delayed scale tensor updated after every step (modes ours, eager-hooks)",
+    )
+    p.add_argument("--modes", default=",".join(bench.MODES))
+    p.add_argument(
+        "--budget",
+        type=bench.parse_fractions,
+        default=(),
+        help="comma list of activation-memory budgets in (0, 1], e.g. 0.3,0.5,0.7: adds a budget row "
+        "(torch_patches.hooks.budget(F)) and a stock-budget row (activation_memory_budget=F) per fraction",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-reorder", action="store_true", help="inductor: reorder_for_peak_memory=False")
+    p.add_argument("--small", action="store_true", help="tiny sizes (CI smoke run)")
+    p.add_argument("--json", default="bench-results/bench.json", help="where to write results")
 
 
 #: The hooks ``report --hooks NAME`` takes: the library's ready-made pairs.
@@ -97,7 +162,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     import torch
 
     import torch_patches
-    from torch_patches.bench.models import report_step
+    from torch_patches.testing.models import report_step
 
     if args.hooks is not None and args.budget is not None:
         raise SystemExit("report: --hooks or --budget, not both")
@@ -123,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
     p.add_argument("--hook", default="bf16", choices=("bf16", "fp8"))
-    sub.add_parser("bench", help="memory/speed benchmark (see --help)", add_help=False)
+    p = sub.add_parser("bench", help="peak memory and step time of one training step, with hooks and without",
+                       description=(bench.__doc__ or "").splitlines()[0])
+    _bench_arguments(p)
     p = sub.add_parser("report", help="where one training step's activation memory goes, per saved tensor")
     p.add_argument("--model", required=True, choices=("llama", "gpt2", "vit", "mlp8"), help="a built-in model (small, random init)")
     p.add_argument("--hooks", choices=REPORT_HOOKS, help="a ready-made hook pair active around the step")
@@ -132,14 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--backend", default="inductor", choices=("aot_eager", "inductor"))
     p.add_argument("--snapshot", action="store_true", help="on CUDA, also the allocator's record of the step")
-    args, rest = parser.parse_known_args(argv)
-    if args.cmd == "bench":
-        from torch_patches import bench
-
-        return bench.main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"status": cmd_status, "demo": cmd_demo, "report": cmd_report}[args.cmd](args)
+    args = parser.parse_args(argv)
+    return {"status": cmd_status, "demo": cmd_demo, "bench": cmd_bench, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

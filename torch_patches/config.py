@@ -140,6 +140,27 @@ activation_budget_partitioner_recompute: bool = True
 # than this fraction of the graph's estimated compute time.
 activation_budget_lossy_margin: float = 0.05
 
+# Under an activation memory budget (ambient, around the compiled call or in config), compute
+# a language model's loss head (the LM head's matmul, an optional soft-cap / upcast / scale,
+# cross_entropy with a mean or sum) in chunks of tokens, exactly: the (tokens x vocabulary)
+# log-probabilities are never saved and their gradient never made whole; each chunk's logits
+# are saved tensors of their own, which the plan keeps, offloads or recomputes
+# (torch_patches/_functorch/_aot_autograd/loss_head.py).
+#  "auto" (default): where the head's float32 logits hold at least chunked_loss_head_min_bytes.
+#  "on": every head the pattern matches, under a budget. "off": never.
+chunked_loss_head: str = "auto"
+chunked_loss_head_min_bytes: int = 32 * 1024 * 1024
+# The most chunks a head is cut into (the budget sets how many: about 2 / F for a fraction F).
+chunked_loss_head_max_chunks: int = 16
+# Where the model returns its logits (HF's default call), the chunked head's backward reads
+# them again (saved whole: no extra matmul, but the tokens x vocabulary logits held from the
+# forward to the backward) under a budget of at least this fraction; below it (or under a
+# budget in bytes), each chunk's logits are recomputed from the hidden states and the head's
+# weight (one more matmul of the head, nothing of tokens x vocabulary saved). Default 1.0:
+# recomputed under every budget, so that the step's peak stays at or below stock's
+# activation_memory_budget (whose knapsack rebuilds the head there too).
+chunked_loss_head_keep_logits_from: float = 1.0
+
 # Which points of a compiled graph an activation memory budget bounds.
 #  "auto" (default): a graph that takes an activation autograd produced before it (a
 #      non-leaf input that requires grad: each block compiled on its own, as FSDP2 and

@@ -162,6 +162,7 @@ class MemoryReport:
             )
             if p.predicted_peak_bytes is not None:
                 lines.append(f"    with the graphs' own tensors the step peaks at {_size(p.predicted_peak_bytes)}, at {p.predicted_peak_at}")
+            lines.extend(f"    {head}" for head in p.loss_heads)
             if p.copies():
                 lines.append(f"    {p.copies()}")
         return "\n".join(lines)

@@ -17,22 +17,21 @@ as it is), ready for ``ghstack submit``.  Nothing is pushed.
 ``verify`` applies the stack to an overlay of the installed torch and runs our golden
 tests against it without ``torch_patches.apply()`` (see ``test/test_export_upstream.py``).
 
-How the upstream form is generated: :mod:`tools.export_upstream._generate`.
+How the upstream form is generated: :mod:`tools.export_upstream._generate` (the driver),
+one patch's :mod:`~tools.export_upstream._job` composed of a workspace and a placer
+(:mod:`~tools.export_upstream._place`), an emitter (:mod:`~tools.export_upstream._emit`) and
+the files' rendering (:mod:`~tools.export_upstream._render`), over :mod:`~tools.export_upstream._trees`
+(torch's sources and ours, where each module goes) and :mod:`~tools.export_upstream._model`
+(the records); commit messages, patch files, the stack and overlays in
+:mod:`~tools.export_upstream._write`, git in :mod:`~tools.export_upstream._git`.
 """
 
-from tools.export_upstream._generate import (
-    CONFIG_HOME,
-    split_new_modules,
-    ExportError,
-    Exporter,
-    KNOB_NAMES,
-    PatchExport,
-    knob_upstream_name,
-    stack_order,
-)
+from tools.export_upstream._generate import Exporter, split_new_modules
+from tools.export_upstream._git import check_applies
+from tools.export_upstream._model import CONFIG_HOME, KNOB_NAMES, PatchExport, knob_upstream_name, stack_order
+from tools.export_upstream._pysrc import ExportError
 from tools.export_upstream._write import (
     apply_to_overlay,
-    check_applies,
     knob_map,
     make_overlay,
     make_stack,

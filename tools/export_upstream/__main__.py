@@ -10,7 +10,9 @@ import subprocess
 import sys
 import tempfile
 
-from tools.export_upstream._write import apply_to_overlay, make_stack, run_export, write_out
+from torch_patches._registry import install
+
+from tools.export_upstream._write import apply_to_overlay, knob_map, make_stack, run_export, write_out
 
 #: Environment variable read by ``torch_patches.testing``: path of a config map; when
 #: set, tests run against upstream-form torch instead of calling ``torch_patches.apply()``.
@@ -32,14 +34,10 @@ def installed_torch_root() -> str:
 
 
 def _patches():
-    from torch_patches._registry import install
-
     return install._registered()
 
 
 def _effects():
-    from torch_patches._registry import install
-
     return install._registered_effects()
 
 
@@ -76,8 +74,6 @@ def run_upstream_tests(
     overlay = os.path.join(workdir, "site")
     apply_to_overlay(overlay, torch_root, results)
     cmap = os.path.join(workdir, "config-map.json")
-    from tools.export_upstream._write import knob_map
-
     with open(cmap, "w") as f:
         json.dump(knob_map(results), f)
     env = dict(os.environ)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import subprocess
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 from tools.export_upstream import _names, _tests
-from tools.export_upstream._generate import API_COMMIT, TP, Exporter, PatchExport, rel_module, split_new_modules, unified_diff
+from tools.export_upstream._generate import Exporter, split_new_modules
+from tools.export_upstream._git import git, no_repo_env, unified_diff
+from tools.export_upstream._model import API_COMMIT, TP, PatchExport, rel_module
 
 #: Our public package, whose upstream home gets its API in the last commit.
 HOOKS_PACKAGE_OURS = TP + ".hooks"
@@ -20,46 +22,6 @@ HOOKS_PACKAGE_OURS = TP + ".hooks"
 #: Fixed author date: the output is deterministic.
 DATE = "Thu, 1 Jan 1970 00:00:00 +0000"
 AUTHOR = "saved tensors hooks export <torch-patches@users.noreply.github.com>"
-
-
-# ------------------------------------------------------------------ git helpers
-
-
-def git(*args: str, cwd: str, env: dict[str, str] | None = None, input: str | None = None) -> str:
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    proc = subprocess.run(
-        ["git", *args], cwd=cwd, env=full_env, input=input, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
-
-
-def check_applies(diff: str, files: dict[str, str]) -> str | None:
-    """None if ``git apply --check`` accepts ``diff`` on ``files`` (relpath -> text)."""
-    with tempfile.TemporaryDirectory(prefix="tp-export-check-") as tmp:
-        for rel, text in files.items():
-            if not text:  # a file the diff creates
-                continue
-            path = os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        proc = subprocess.run(
-            ["git", "apply", "--check", "-"],
-            cwd=tmp, input=diff, capture_output=True, text=True, env=_no_repo_env(tmp),
-        )
-        if proc.returncode != 0:
-            return proc.stderr.strip() or f"git apply exited {proc.returncode}"
-    return None
-
-
-def _no_repo_env(path: str) -> dict[str, str]:
-    """Environment in which git treats ``path`` as outside any repository."""
-    env = dict(os.environ)
-    env["GIT_CEILING_DIRECTORIES"] = os.path.dirname(os.path.abspath(path))
-    return env
 
 
 # --------------------------------------------------------------- commit message
@@ -103,11 +65,9 @@ def _module_doc(exporter: Exporter, patch_replacement: str, own: bool = False) -
     """The docstring of ``patch_replacement``'s module (``own``: of the definition itself)."""
     module, _, name = patch_replacement.partition(":")
     try:
-        src = exporter.tp_source(module)
+        src = exporter.trees.tp_source(module)
     except Exception:  # noqa: BLE001
         return ""
-    import ast
-
     node = src.bindings[name].stmt if own and name in src.bindings else src.tree
     doc = ast.get_docstring(node) or ""  # type: ignore[arg-type]
     return doc.strip()
@@ -191,7 +151,7 @@ def _finish(exporter: Exporter, e: PatchExport, lines: list[str], check: str, pr
     if e.tests:
         lines.append(f"Tests of the exporting project exercising it: python -m pytest {' '.join(e.tests)}")
     lines.append(check)
-    body = exporter.upstream_names("\n".join(lines), exporter.state).split("\n")
+    body = exporter.trees.upstream_names("\n".join(lines), exporter.trees.state).split("\n")
     body += ["", _KEEP + f"{_names.PROVENANCE} torch_patches {provenance}"]
     return "\n".join(_wrap(line) for line in body).rstrip() + "\n"
 
@@ -241,8 +201,8 @@ def run_export(
     resolver = test_resolver(exporter)
     helpers_added: set[str] = set()
     for r in results:
-        r.tests = find_tests(exporter.repo_root, r)
-        carried = _tests.tests_for(r.name, exporter.repo_root, resolver, helpers_added)
+        r.tests = find_tests(exporter.trees.repo_root, r)
+        carried = _tests.tests_for(r.name, exporter.trees.repo_root, resolver, helpers_added)
         for rel, text in sorted(carried.items()):
             r.diff += unified_diff(rel, "", text)
             r.files.append(rel)
@@ -257,33 +217,34 @@ def run_export(
 
 def test_resolver(exporter: Exporter) -> _tests.Resolver:
     """Where the stack put each name of ours, for turning our tests into upstream's."""
+    trees = exporter.trees
 
     def binding(module: str, name: str) -> str | None:
-        b = exporter.tp_source(module).bindings.get(name)
+        b = trees.tp_source(module).bindings.get(name)
         return b.dotted if b is not None and b.kind == "import" else None
 
     def names(text: str) -> str:
         home = _tests.helper_home("torch_patches.testing._internal.common_saved_tensors_hooks")
         text = re.sub(r"\btorch_patches\.testing\b(?!\._internal)", home, text)
-        return exporter.upstream_names(text, exporter.state)
+        return trees.upstream_names(text, trees.state)
 
     def module_home(module: str) -> str | None:
         """Where our module went, if the stack exports it (a mirror, a new module, or the
         upstream module a satellite was moved into)."""
-        if not exporter.is_tp_module(module):
+        if not trees.is_tp_module(module):
             return None
-        mirror = exporter.mirror_of(module)
+        mirror = trees.mirror_of(module)
         if mirror is not None:
             return mirror
-        for home, ours in exporter.new_module_sources.items():
-            if ours == module and exporter.state.texts.get(exporter.new_modules[home]):
+        for home, ours in trees.new_module_sources.items():
+            if ours == module and trees.state.texts.get(trees.new_modules[home]):
                 return home
-        return exporter.state.homes.get(module)
+        return trees.state.homes.get(module)
 
     return _tests.Resolver(
-        place=lambda module, name: exporter.state.placed.get((module, name)),
+        place=lambda module, name: trees.state.placed.get((module, name)),
         module_home=module_home,
-        knob=exporter._knob_name,
+        knob=trees.knob_name,
         binding=binding,
         names=names,
     )
@@ -405,147 +366,6 @@ LARGE_REASONS = {
 }
 
 
-#: What each commit that changes behaviour does, measured (``python -m torch_patches bench``,
-#: tables in benchmarks/README.md and a page per topic in benchmarks/results/), and what could go wrong with it: the two lines a reviewer
-#: weighs it by.  A commit adding a module changes nothing until the commit that uses it.
-_BENCH = "benchmarks/README.md"
-_RESULTS = "benchmarks/results"
-EFFECTS = {
-    "aot.saved_tensors_hooks_are_inlineable": (
-        "plain Python functions marked `inlineable` are traced into the graphs like GraphModule "
-        f"hooks: `bf16()` as marked functions gives the same peak as its GraphModule form ({_BENCH}, "
-        "mlp8 `ours` rows use them)"
-    ),
-    "dynamo.install_saved_tensors_hooks_subgraphs": (
-        "the compile caches key inlined hooks by content: a fresh process with the same hooks hits "
-        "AOTAutogradCache and the FX graph cache, a changed hook misses (test_compile_cache, "
-        "test_hook_identity across processes)"
-    ),
-    "dynamo.guard_saved_tensors_hooks_by_content": (
-        "hooks recreated every step (the usual `with saved_tensors_hooks(*bf16())`) compile once "
-        "instead of once per step; 50 steps, 1 frame (test_hook_identity)"
-    ),
-    "dynamo.lift_saved_tensors_hook_inputs": (
-        "a delayed scale updated in place every step compiles once over 50 updates, where it "
-        f"recompiled per update; `bf16_scaled` row: 1.6 ms/step vs eager hooks 3.3 ms (CPU, {_RESULTS}/bf16-scaled.md)"
-    ),
-    "dynamo.saved_tensors_hooks_in_region": (
-        "`with saved_tensors_hooks(...)` inside a compiled function is traced (fullgraph=True works) "
-        "and placed per scope, where stock torch graph-breaks"
-    ),
-    "aot.inline_saved_tensors_hooks": (
-        "packs after each saved tensor's last forward use and unpacks before its first backward "
-        "use: mlp8 peak 0.60x (bf16) and 0.44x (fp8) of no hooks under aot_eager on an H100, where "
-        "stock inlining gives 1.00x; under Inductor 0.57x / 0.50x at 1.00x step time "
-        f"({_BENCH}, Latest results). Default numerics allowlist: eval loss within run noise over "
-        "300 steps, 3 seeds (Convergence table)"
-    ),
-    "aot.budget_exact_recompute_first": (
-        "`budget(F)` peaks at 0.39x (Llama, F=0.3) where stock `activation_memory_budget` gives "
-        f"0.79x, at 1.06x vs 1.19x step time (CPU, {_RESULTS}/convergence.md, budget against stock)"
-    ),
-    "aot.runtime_hooks_not_disabled_by_type": (
-        "graphs that inlined their hooks and graphs that did not coexist in one step (a graph "
-        "break between them) without running any hook twice or never"
-    ),
-    "aot.runtime_saved_tensors_hooks_context": (
-        "inlined hooks no longer also run as eager hooks at runtime; a hook that falls back runs "
-        "under the hook contract (dtype, shape, device checked; strides restored)"
-    ),
-    "aot.autograd_cache_skip_eager_fallback": (
-        "a graph whose hooks fell back to eager is not written to AOTAutogradCache (a later "
-        "process would load it without its hooks)"
-    ),
-    "inductor.free_without_reuse": (
-        "none until a lowering marks a buffer (the offload lowering's commit); a marked buffer is "
-        "freed at its last use and never handed to another buffer while a side-stream copy reads it"
-    ),
-    "inductor.no_inplace_reuse": (
-        "none until a lowering marks a buffer; then no kernel writes in place into a buffer an "
-        "async copy still reads"
-    ),
-    "inductor.offload_order_kept": (
-        "none until a graph holds the offload ops; then `reorder_for_peak_memory` keeps its order "
-        "(it plans, and logs only the baseline's estimate); on an H100 the inlined `cpu_offload()` "
-        f"peak went from 1.00x to 0.55x of no hooks at 1.05x step time ({_RESULTS}/gpu-check.md)"
-    ),
-    "inductor.fx_graph_cache_keys_offload_code": (
-        "none upstream, where the offload ops' lowering and order are torch's source and "
-        "`torch_key()` digests them; in the patch set, a process of another release misses "
-        "Inductor's cache for graphs holding the offload ops (2 misses where it took 2 stale hits "
-        "for `cpu_offload()`) and still hits for the others"
-    ),
-    "logging.torch_patches_artifact": (
-        '`TORCH_LOGS="saved_tensors_hooks"` is accepted; the artifact logs from the inliner\'s '
-        "commit on (one record line per saved tensor, the graphs after inlining)"
-    ),
-    "inductor.offload_lowering": (
-        "Inductor-compiled graphs with `cpu_offload()` free each offloaded buffer without reuse "
-        "(`test_inductor_frees_offloaded_buffers_without_reuse` reads the generated code)"
-    ),
-    API_COMMIT: (
-        "`torch.utils.saved_tensors_hooks.bf16()` and the rest are importable from the package; "
-        "its modules are private"
-    ),
-}
-RISKS = {
-    "aot.saved_tensors_hooks_are_inlineable": (
-        "the marker is a promise of purity; a marked hook that breaks it is refused by the "
-        "contract checks at trace time (error under fullgraph=True, else eager with a warning)"
-    ),
-    "dynamo.install_saved_tensors_hooks_subgraphs": (
-        "a hook whose behaviour depends on what the walk cannot see must say so with "
-        "`cache_hash`; what cannot be keyed bypasses the caches (never a stale hit)"
-    ),
-    "dynamo.guard_saved_tensors_hooks_by_content": (
-        "the content guard walks the hooks at every call (about 110 us for a two-line pair); a "
-        "hook the walk cannot key falls back to eager hooks"
-    ),
-    "dynamo.lift_saved_tensors_hook_inputs": (
-        "a lifted tensor changed in place between forward and backward: ambient hooks read it as "
-        "of the backward (eager semantics), in-region hooks raise autograd's in-place error"
-    ),
-    "dynamo.saved_tensors_hooks_in_region": (
-        "only marked or GraphModule hooks are traced in a region; others graph-break as before"
-    ),
-    "aot.inline_saved_tensors_hooks": (
-        "replaces upstream's epilogue/prologue inlining: graphs with saved tensors hooks change "
-        "shape (goldens in test_saved_tensors_hooks_placement pin them); lossy hooks reach only "
-        "tensors the numerics allowlist accepts"
-    ),
-    "aot.budget_exact_recompute_first": (
-        "only under a budget pair; outside it the partitioner runs as before"
-    ),
-    "aot.runtime_hooks_not_disabled_by_type": (
-        "the runtime wrapper reads the inliner's per-graph decision from the compiled graph; a "
-        "graph compiled without inlining keeps running the hooks as eager hooks, as before"
-    ),
-    "aot.runtime_saved_tensors_hooks_context": (
-        "the contract check adds a comparison per unpacked tensor for hooks that stay eager"
-    ),
-    "aot.autograd_cache_skip_eager_fallback": "fewer cache hits for graphs whose hooks fell back",
-    "inductor.free_without_reuse": (
-        "a buffer freed without reuse raises the allocator's footprint by that buffer until the "
-        "copy ends; only for buffers marked by the offload lowering"
-    ),
-    "inductor.no_inplace_reuse": "only for buffers marked by the offload lowering",
-    "inductor.offload_order_kept": (
-        "graphs holding offload ops lose Inductor's peak-memory reordering of their other nodes; "
-        "the inliner's placement stands for it"
-    ),
-    "inductor.fx_graph_cache_keys_offload_code": (
-        "one walk of each graph's nodes while its key is made; only graphs holding the offload "
-        "ops change keys"
-    ),
-    "logging.torch_patches_artifact": "one more artifact name; off by default",
-    "inductor.offload_lowering": (
-        "importing Inductor's lowerings imports the offload ops' module (it defines the op); a "
-        "buffer freed without reuse stays allocated until its copy ends"
-    ),
-    API_COMMIT: "the package's names are public API from here on",
-}
-
-
 def summary_text(results: Sequence[PatchExport], version: str) -> str:
     """``SUMMARY.md``: what a reviewer reads first, one entry per commit."""
     exported = [r for r in results if r.status == "exported"]
@@ -593,8 +413,8 @@ def summary_text(results: Sequence[PatchExport], version: str) -> str:
             user = next(u for u in exported if u.module is None and u.patch.name == r.patch.name)
             lines.append(f"Effect and risk: none on its own; nothing imports it before {user.number:02d}.")
         else:
-            lines.append(f"Effect: {EFFECTS.get(r.name, 'not measured')}.")
-            lines.append(f"Risk: {RISKS.get(r.name, 'not assessed')}.")
+            lines.append(f"Effect: {r.patch.measured or 'not measured'}.")
+            lines.append(f"Risk: {r.patch.risk or 'not assessed'}.")
         if r.upstream_tests:
             lines.append("Upstream tests (run right after this commit): " + ", ".join(f"`{t}`" for t in r.upstream_tests))
             for t in _tests.UPSTREAM_TESTS.get(r.name, ()):
@@ -632,7 +452,7 @@ def make_stack(stack_dir: str, exporter: Exporter, results: Sequence[PatchExport
     ).returncode == 0
     if has_head and git("status", "--porcelain", cwd=stack_dir).strip():
         raise RuntimeError(f"{stack_dir} has uncommitted changes; commit or clean them first")
-    touched = sorted({rel for r in exported for rel in r.files if exporter.base.get(rel)})
+    touched = sorted({rel for r in exported for rel in r.files if exporter.trees.base.get(rel)})
     missing = [rel for rel in touched if not os.path.exists(os.path.join(stack_dir, rel))]
     if missing:
         if has_head and len(missing) != len(touched):
@@ -641,11 +461,11 @@ def make_stack(stack_dir: str, exporter: Exporter, results: Sequence[PatchExport
             dst = os.path.join(stack_dir, rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             with open(dst, "w", encoding="utf-8") as f:
-                f.write(exporter.base[rel])
+                f.write(exporter.trees.base[rel])
         git("add", "--", *touched, cwd=stack_dir)
         git(
             "commit", "-q", "-m",
-            f"Base: torch {torch_version_of(exporter.root)} sources the torch_patches stack changes",
+            f"Base: torch {torch_version_of(exporter.trees.root)} sources the torch_patches stack changes",
             cwd=stack_dir, env=_dates(),
         )
     commits = []
@@ -719,7 +539,7 @@ def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport])
         for args in (["--check"], []):
             proc = subprocess.run(
                 ["git", "apply", *args, "-"],
-                cwd=dest, input=r.diff, text=True, capture_output=True, env=_no_repo_env(dest),
+                cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest),
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"git apply {' '.join(args)} {r.filename}: {proc.stderr.strip()}")
@@ -748,7 +568,7 @@ def import_each_commit(
     env["PYTHONPATH"] = dest
     for i, r in enumerate(exported[: len(exported) if stop is None else stop]):
         proc = subprocess.run(
-            ["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=_no_repo_env(dest)
+            ["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest)
         )
         if proc.returncode != 0:
             failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
@@ -785,7 +605,6 @@ def copy_tree_texts(results: Sequence[PatchExport]) -> dict[str, str]:
 __all__ = [
     "apply_to_overlay",
     "import_each_commit",
-    "check_applies",
     "commit_message",
     "format_patch",
     "knob_map",

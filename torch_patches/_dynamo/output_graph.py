@@ -25,8 +25,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import loss_head
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches.hooks.markers import decode
 
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,18 @@ def key_input_leafness_of(output: Any) -> None:
         output.add_graph_finalizer(key_input_leafness)
 
 
+def chunk_loss_heads(gm: fx.GraphModule) -> None:
+    """A graph finalizer of frames compiled under an ambient budget pair: its loss heads
+    computed in chunks (``loss_head.rewrite_loss_heads``), before AOTAutograd traces the
+    graph and the caches key it.  Not where scopes entered inside the region plan parts of
+    the graph."""
+    spec = decode(hook_utils.ambient_saved_tensors_hooks()).budget
+    found = compile_facts.facts()
+    if spec is None or (found is not None and found.scopes):
+        return
+    loss_head.rewrite_loss_heads(gm, spec.memory)
+
+
 def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
         return None
@@ -154,4 +169,6 @@ def maybe_install_saved_tensors_hooks_subgraphs(self: Any) -> list[str] | None:
     if names != ["saved_tensors_hooks_pack_0", "saved_tensors_hooks_unpack_0"]:
         raise AssertionError(f"saved tensors hooks installed as {names}")
     key_input_leafness_of(self)
+    if decode(hooks).budget is not None and chunk_loss_heads not in self.register_finalizer_fns:
+        self.add_graph_finalizer(chunk_loss_heads)
     return names

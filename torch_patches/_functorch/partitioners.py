@@ -51,6 +51,7 @@ from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._functorch._aot_autograd.activation_budget.working_set import unplanned_peak
 from torch_patches.hooks.markers import decode
 
 
@@ -61,6 +62,14 @@ UPSTREAM_MODULE = "torch._functorch.partitioners"
 #: it tries its more aggressive min-cut, and so close to 1 that its knapsack, if it runs at
 #: all, needs to recompute next to nothing.
 CHEAP_RECOMPUTE_BUDGET = 0.999
+
+#: How far above the default partition without a budget a partition's predicted score may
+#: be and still be taken: the prediction's own rounding, never a real rise.
+PEAK_TOLERANCE = 0.005
+
+#: How close two predicted peaks must be for the prediction not to tell them apart (it is
+#: within 10% of the measured peak): then the partition that meets the budget is taken.
+PREDICTION_MARGIN = 0.10
 
 
 @dataclasses.dataclass
@@ -73,6 +82,10 @@ class PartitionRetry:
     joint_module: Any
     fraction: float
     default_bytes: int
+    #: Where the partitioner's cheap recomputation saves at most the fraction: what it saves
+    #: (of the default's bytes); the driver takes it only where it peaks no higher than the
+    #: default partition without a budget (:func:`weigh_knapsack`).
+    cheap_ratio: float | None = None
 
     def weigh(self, *graphs: Any) -> list[Any] | None:
         """:func:`weigh_knapsack` of the partitioned graphs the inliner was handed."""
@@ -213,20 +226,22 @@ def _budget_first(original: Callable[..., Any], joint_graph: Any, node_info: Any
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
     if found is not None:
         found.partition_cheap_ratio = ratio
-    if ratio > fraction and found is not None and full:
-        found.partition_retry = PartitionRetry(joint_graph.owning_module, fraction, full)
+    if found is not None and full:
+        found.partition_retry = PartitionRetry(
+            joint_graph.owning_module, fraction, full, cheap_ratio=ratio if ratio <= fraction else None
+        )
     if ratio > fraction:
         artifact.debug(
             "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
             "the plan starts from the default partition", fraction, ratio,
         )
         return default
+    if found is not None and full:  # weighed by its peak against the default (weigh_knapsack)
+        return default
     artifact.debug(
         "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
         "activation bytes", fraction, ratio,
     )
-    if found is not None:
-        found.partition_budget_ratio = ratio
     return cheap
 
 
@@ -297,6 +312,57 @@ def _adopt(dst: Any, src: Any) -> None:
     dst.meta.update(src.meta)
 
 
+def _repartition(retry: PartitionRetry, fraction: float, num_fwd_outputs: int, static_input_indices: list[int]) -> tuple[Any, Any] | str:
+    """The partitioner's own partition of ``retry``'s joint graph under
+    ``activation_memory_budget = fraction``, or why it could not be made."""
+    try:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return torch._functorch.partitioners.min_cut_rematerialization_partition(
+                retry.joint_module, None, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_input_indices
+            )
+    except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
+        return f"{type(e).__name__}: {e}"
+
+
+def _unplanned_score(fw: Any, bw: Any, num_fwd_outputs: int, after: int, forward_end: bool) -> int:
+    """A partition's score (:func:`_score`) without a plan: its bytes at the forward's end
+    where the budget bounds that, else the step's peak as the graph sees it."""
+    saved = [n for n in fw.graph.output_node().args[0][num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
+    names = {n.name for n in saved}
+    bw_saved = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in names]
+    peak, at_end, _ = unplanned_peak(fw.graph, bw.graph, saved, bw_saved)
+    return at_end if forward_end else max(peak, at_end + after)
+
+
+def _weigh_cheap(retry: PartitionRetry, fw_module: Any, bw_module: Any, num_fwd_outputs: int, inner_meta: Any, static_input_indices: list[int]) -> bool:
+    """Where the partitioner's cheap recomputation met the budget: take it (``fw_module``
+    and ``bw_module`` take its graphs) unless it peaks above the default partition without a
+    budget (the aggressive min-cut can rebuild long chains in the backward beside what it
+    still holds: a budget must never raise the step's peak)."""
+    artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
+    made = _repartition(retry, CHEAP_RECOMPUTE_BUDGET, num_fwd_outputs, static_input_indices)
+    if isinstance(made, str):
+        artifact.debug("budget %.3g: the partitioner's cheap recomputation could not be redone (%s)", retry.fraction, made)
+        return False
+    after = _grad_outputs_bytes(fw_module, inner_meta)
+    none = _unplanned_score(fw_module, bw_module, num_fwd_outputs, after, False)
+    cheap = _unplanned_score(made[0], made[1], num_fwd_outputs, after, False)
+    if cheap > none * (1 + PEAK_TOLERANCE):
+        artifact.debug(
+            "budget %.3g: the partitioner's cheap recomputation (%.3f of the activation bytes) kept out: its step "
+            "peaks at %d B, above the %d B of the default partition without a budget", retry.fraction, retry.cheap_ratio, cheap, none,
+        )
+        return False
+    artifact.debug(
+        "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the activation bytes "
+        "(its step peaks at %d B, the default partition's at %d B)", retry.fraction, retry.cheap_ratio, cheap, none,
+    )
+    compile_facts.facts().partition_budget_ratio = retry.cheap_ratio
+    _adopt(fw_module, made[0])
+    _adopt(bw_module, made[1])
+    return True
+
+
 def weigh_knapsack(
     retry: PartitionRetry,
     fw_module: Any,
@@ -307,31 +373,33 @@ def weigh_knapsack(
     static_input_indices: list[int],
     ambient: Any,
 ) -> list[Any] | None:
-    """Where the ambient budget's plan over the default partition sits at its floor, or
-    meets the budget with lossy storage, redo the partition (from ``retry``) with the
-    partitioner's knapsack at the budget's fraction and keep it (``fw_module`` and ``bw_module`` take its graphs)
-    where it is better (module docstring).  Returns None where it was not taken, else the
-    records of what the default partition saves and it recomputes (``saved_tensor_records``,
-    decided ``recomputed`` by the partitioner).  Compile time only."""
+    """Where the partitioner's cheap recomputation met the budget, take it unless it peaks
+    above no budget (:func:`_weigh_cheap`).  Else, where the ambient budget's plan over the
+    default partition sits at its floor, or meets the budget with lossy storage, redo the
+    partition (from ``retry``) with the partitioner's knapsack at the budget's fraction and
+    keep it (``fw_module`` and ``bw_module`` take its graphs) where it is better (module
+    docstring) and peaks no higher than the default partition without a budget.  Returns
+    None where the default partition stands, else the records of what the default partition
+    saves and the one taken recomputes (``saved_tensor_records``, decided ``recomputed`` by
+    the partitioner; none for the cheap recomputation).  Compile time only."""
     from torch_patches._functorch._aot_autograd import inline_phases, saved_tensor_records as records
 
     if ambient is None or getattr(inner_meta, "tokens", None):
         return None
     if any("rng_state" in n.name for m in (fw_module, bw_module) for n in m.graph.find_nodes(op="placeholder")):
         return None
+    if retry.cheap_ratio is not None and _weigh_cheap(retry, fw_module, bw_module, num_fwd_outputs, inner_meta, static_input_indices):
+        return []
     args = (num_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient)
     ours, default_records = inline_phases.trial_plans(fw_module, bw_module, *args)
-    if len(ours) != 1 or (ours[0].met and not ours[0].lossy):
+    if len(ours) != 1:
         return None
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-    try:
-        with torch._functorch.config.patch(activation_memory_budget=retry.fraction):
-            fw_k, bw_k = torch._functorch.partitioners.min_cut_rematerialization_partition(
-                retry.joint_module, None, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_input_indices
-            )
-    except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
-        log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s: %s); the plan stands", retry.fraction, type(e).__name__, e)
+    made = _repartition(retry, retry.fraction, num_fwd_outputs, static_input_indices)
+    if isinstance(made, str):
+        log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s); the plan stands", retry.fraction, made)
         return None
+    fw_k, bw_k = made
     if any(draws_random(n) for n in bw_k.graph.nodes) or (
         _backward_reads_mutated(fw_k, bw_k) - _backward_reads_mutated(fw_module, bw_module)
     ):
@@ -345,7 +413,8 @@ def weigh_knapsack(
     found.partition_budget_ratio = ratio
     theirs, taken_records = inline_phases.trial_plans(fw_k, bw_k, *args)
     after, extra = _grad_outputs_bytes(fw_module, inner_meta), _extra_ms((fw_module, bw_module), (fw_k, bw_k))
-    taken, why = _better(ours, theirs, extra, after)
+    none = _unplanned_score(fw_module, bw_module, num_fwd_outputs, after, ours[0].bounded_at == "forward_end")
+    taken, why = _better(ours, theirs, extra, after, none)
     if taken is None:  # exact, holding less, but slower than the lossy plan and its margin
         found.partition_budget_ratio = None
         refit = lambda: inline_phases.trial_plans(fw_module, bw_module, *args)[0]  # noqa: E731
@@ -365,7 +434,7 @@ def weigh_knapsack(
     return dropped
 
 
-def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], after: int) -> tuple[bool | None, str]:
+def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], after: int, none: int | None = None) -> tuple[bool | None, str]:
     """Whether the knapsack's partition (its plan ``theirs``) is taken over the default's
     (``ours``), and why in words.  Where our plan misses the budget: the lower score
     (:func:`_score`).  Where it meets it with lossy storage: the knapsack when it meets it
@@ -373,20 +442,37 @@ def _better(ours: list[Any], theirs: list[Any], extra: tuple[float, float], afte
     ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
     rule, :func:`~torch_patches._functorch._aot_autograd.activation_budget.planner.choose`;
     ``extra``: :func:`_extra_ms`).  None where it costs more than that but holds less than
-    our plan: ``weigh_knapsack`` fits our plan under it (:func:`_fit_under`)."""
+    our plan, or where both are exact and it holds less: ``weigh_knapsack`` fits our plan
+    under it (:func:`_fit_under`)."""
     if len(theirs) != 1 or theirs[0].lossy:
         return False, "kept out: its plan is not exact"
     mine, knap = ours[0], theirs[0]
     scores = _score(knap, after), _score(mine, after)
+    if none is not None and scores[0][0] > none * (1 + PEAK_TOLERANCE):
+        return False, f"kept out: it holds {scores[0][0]} B, above the {none} B of the default partition without a budget"
     if not mine.met:
         if scores[0] < scores[1]:
             return True, f"taken over the plan's floor: it holds {scores[0][0]} B against {scores[1][0]} B"
+        if knap.met and scores[0][0] <= scores[1][0] * (1 + PREDICTION_MARGIN):
+            # Closer than the prediction can tell: the partition known to hold less, the one
+            # meeting the budget (stock's own), is taken.
+            return True, (
+                f"taken over the plan's floor: it meets the budget the floor misses, and holds {scores[0][0]} B "
+                f"against {scores[1][0]} B, closer than the prediction's {PREDICTION_MARGIN:.0%}"
+            )
         return False, f"kept out: it holds {scores[0][0]} B against the plan's floor's {scores[1][0]} B"
     if not knap.met:
         return False, "kept out: it misses the budget the plan meets"
+    if not mine.lossy:  # both exact: never above stock, the plan fitted under it where it holds less
+        if scores[0][0] < scores[1][0] * (1 - PEAK_TOLERANCE):
+            return None, f"it holds {scores[0][0]} B where the plan's exact storage holds {scores[1][0]} B"
+        return False, f"kept out: it holds {scores[0][0]} B, no less than the plan's exact storage ({scores[1][0]} B)"
     in_time, allowed = _in_time(mine, extra)
     if in_time:
-        return True, f"taken over the plan's lossy storage: exact, recomputing for {extra[0]:.3f} ms <= {allowed:.3f} ms"
+        return True, (
+            f"taken over the plan's lossy storage: exact, recomputing for {extra[0]:.3f} ms <= {allowed:.3f} ms; "
+            f"it holds {scores[0][0]} B against the plan's {scores[1][0]} B" + ("" if none is None else f" and {none} B without a budget")
+        )
     why = f"its recomputation {extra[0]:.3f} ms > {allowed:.3f} ms, the lossy plan's time and margin"
     if scores[0][0] < scores[1][0]:
         return None, why

@@ -88,9 +88,10 @@ def fingerprint_source(source: str) -> str:
     return hashlib.sha256(_canon(node).encode()).hexdigest()[:16]
 
 
-def find_definition(module_source: str, qualname: str) -> str:
-    """Source text of ``qualname`` (``Class.method`` or ``function``) in a module."""
-    tree = ast.parse(module_source)
+def find_definition(module_source: str, qualname: str, tree: ast.Module | None = None) -> str:
+    """Source text of ``qualname`` (``Class.method`` or ``function``) in a module (``tree``:
+    the module's source already parsed, for a caller that looks up several names in it)."""
+    tree = ast.parse(module_source) if tree is None else tree
     body: list[ast.stmt] = tree.body
     node: ast.AST | None = None
     for part in qualname.split("."):

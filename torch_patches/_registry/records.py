@@ -39,6 +39,10 @@ class Patch:
         tests: our test files that exercise it (the Test Plan of its upstream commit).
         area: ``"core"`` (always applied) or an opt-out area named by a keyword of
             :func:`apply` (``"offload"``: ``apply(offload=False)`` leaves it out).
+        measured: what the patch changes, measured (the bench tables in
+            ``benchmarks/README.md``, a page per topic in ``benchmarks/results/``, or the
+            test that shows it): the "Effect" a reviewer weighs its upstream commit by.
+        risk: what could go wrong with it, and where it stays as before: the commit's "Risk".
     """
 
     name: str
@@ -56,6 +60,8 @@ class Patch:
     issue: int | None = None
     tests: tuple[str, ...] = ()
     area: str = "core"
+    measured: str = ""
+    risk: str = ""
 
     @property
     def band(self) -> str:
@@ -105,6 +111,8 @@ class Effect:
         upstream_lazy: instead of ``upstream``: why the upstream form needs none (the
             exported code does it at first use).
         tests: as :attr:`Patch.tests`.
+        measured / risk: as :attr:`Patch.measured` and :attr:`Patch.risk`, for the commit
+            of its upstream form.
     """
 
     name: str
@@ -115,6 +123,8 @@ class Effect:
     upstream: UpstreamForm | None = None
     upstream_lazy: str = ""
     tests: tuple[str, ...] = ()
+    measured: str = ""
+    risk: str = ""
 
 
 @dataclasses.dataclass

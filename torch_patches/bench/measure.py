@@ -1,6 +1,6 @@
 """Byte accounting of the bench: the bytes an autograd graph holds for backward, counted
 exactly (``saved MiB``), the working set of one block's backward (``floor MiB``), the
-process's memory status (CPU peaks). The columns are described in :mod:`torch_patches.bench`."""
+process's memory status (CPU peaks). The columns: ``docs/bench.md``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def _proc_status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A field of ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -116,7 +117,7 @@ def saved_bytes_by_device(output: Any, exclude: Iterable[Any] = ()) -> dict[str,
     return out
 
 
-def _recording_pack(pack: Callable[[Any], Any], packed: list[Any]) -> Callable[[Any], Any]:
+def recording_pack(pack: Callable[[Any], Any], packed: list[Any]) -> Callable[[Any], Any]:
     """``pack`` that also appends what it returns to ``packed`` (runtime hooks only)."""
 
     def recording_pack(x: Any) -> Any:

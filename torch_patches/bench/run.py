@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch_patches.bench._decisions import recording_decisions
+from torch_patches.bench.decisions import recording_decisions
 from torch_patches.bench.case import BUDGET_MODES, MODES, Case
-from torch_patches.bench.measure import _proc_status, _recording_pack, block_working_set, saved_bytes, tensor_bytes
-from torch_patches.bench.models import blocks_of, build_model, example_input
+from torch_patches.bench.measure import block_working_set, proc_status, recording_pack, saved_bytes, tensor_bytes
+from torch_patches.testing.models import blocks_of, build_model, example_input
 from torch_patches.bench.report import add_ratios
 
 
@@ -53,7 +53,7 @@ def skip_reason(case: Case) -> str | None:
 # ----------------------------------------------------------------------- hooks
 
 
-def _cast_hooks(dtype: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+def cast_hooks(dtype: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     def pack(x: Any) -> Any:
         return (x.dtype, x.to(dtype))
 
@@ -134,9 +134,9 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
         # the forward's end and every reload at the backward's start).
         return _stock_offload_hooks(torch.device(case.device))
     if case.hook == "bf16":
-        pack, unpack = _cast_hooks(torch.bfloat16)
+        pack, unpack = cast_hooks(torch.bfloat16)
     elif case.hook == "fp8":
-        pack, unpack = _cast_hooks(torch.float8_e4m3fn)
+        pack, unpack = cast_hooks(torch.float8_e4m3fn)
     elif case.hook.removesuffix(ALL_SUFFIX) in (*LIBRARY_HOOKS, *COMPOSED_HOOKS):
         # Ready-made hooks (marked inlineable): "ours" inlines them as they are; without
         # torch_patches applied (the other modes) marked functions stay Python hooks.
@@ -187,7 +187,7 @@ def run_case(case: Case) -> dict[str, Any]:
         active, packed = hooks, []
         if measure_saved and hooks and case.mode == "eager-hooks":
             # Runtime hooks: the walk would unpack; count what pack returned instead.
-            active = (_recording_pack(hooks[0], packed), hooks[1])
+            active = (recording_pack(hooks[0], packed), hooks[1])
         ctx = torch.autograd.graph.saved_tensors_hooks(*active) if active else contextlib.nullcontext()
         with ctx:
             y = fn(x)
@@ -267,7 +267,7 @@ def _measure(step: Callable[..., int | None], cuda: bool, steps: int) -> tuple[A
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = _proc_status("VmRSS")
+        base = proc_status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     step()
@@ -275,7 +275,7 @@ def _measure(step: Callable[..., int | None], cuda: bool, steps: int) -> tuple[A
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _proc_status("VmHWM") - base
+        peak = proc_status("VmHWM") - base
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -311,7 +311,7 @@ def run_in_subprocess(case: Case, timeout: float = 900) -> dict[str, Any]:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
         proc = subprocess.run(
-            [sys.executable, "-m", "torch_patches.bench", "--worker", json.dumps(dataclasses.asdict(case))],
+            [sys.executable, "-m", "torch_patches", "bench", "--worker", json.dumps(dataclasses.asdict(case))],
             capture_output=True,
             text=True,
             env=env,

@@ -67,6 +67,10 @@ class CompileFacts:
     #: ``"ambient"`` or an in-region scope's -, ``hook_inputs.LiftedTensor``, the Dynamo
     #: graph's placeholder), read by the inliner.
     hook_inputs: list[Any] = dataclasses.field(default_factory=list)
+    #: Loss heads the budget computes in chunks (``loss_head.rewrite_loss_heads``, run on
+    #: Dynamo's graph): ``(description, chunks, tokens, vocabulary)``, read by the plan's
+    #: summary and the report.
+    loss_heads: list[Any] = dataclasses.field(default_factory=list)
 
 
 _ATTR = "_saved_tensors_hooks_facts"

@@ -247,6 +247,10 @@ class BudgetPlanSummary:
     #: The step's peak the plan predicts: its saved tensors with what the graphs hold beside
     #: them (gradients, intermediates, outputs: ``activation_budget/working_set.py``), and
     #: where.
+    #: Loss heads computed in chunks in this compilation (``loss_head.rewrite_loss_heads``),
+    #: each in words: its chunks, the unchunked head's (tokens x vocabulary) bytes, whether the
+    #: returned logits are recomputed and what that costs.
+    loss_heads: tuple[str, ...] = ()
     predicted_peak_bytes: int | None = None
     predicted_peak_at: str = ""
 
@@ -386,6 +390,8 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
             p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
             p.estimated_ms, "met" if p.met else "NOT met", p.preference, p.bounds, p.predicted_peak_bytes, p.predicted_peak_at,
         )
+        for head in p.loss_heads:
+            artifact.debug("budget plan (%s): %s", p.scope, head)
         if p.floor_bytes is not None:
             artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))
         if p.copies():

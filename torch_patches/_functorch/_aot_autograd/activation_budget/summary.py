@@ -64,6 +64,7 @@ def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "
         copy_ms=sum(c.chosen.copy_ms for c in offloaded),
         copy_exposed_ms=sum(c.chosen.exposed_ms for c in offloaded),
         ahead_bytes=result.ahead_bytes,
+        loss_heads=tuple(found.loss_heads) if found is not None else (),
     )
     if not result.met:
         share = f" ({floor / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""

@@ -35,7 +35,7 @@ from torch_patches._functorch._aot_autograd import activation_inputs as act_inpu
 from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient, nbytes_of
 
 
-__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak"]
+__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak", "unplanned_peak"]
 
 
 def _tagged(node: fx.Node, *tags: Any) -> bool:
@@ -53,13 +53,73 @@ def _pointwise(node: fx.Node) -> bool:
 _INDEXED_LOADS = frozenset({torch.ops.aten.gather.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default})
 
 
+def _addmm_add(node: fx.Node) -> bool:
+    """An ``add`` of a matmul's output (read by nothing else) and a tensor: Inductor lowers
+    the pair as one ``addmm`` (its post-grad pattern), a matmul kernel writing the sum: the
+    matmul's own output is never made, and the add is not fused into its readers."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2:
+        return False
+    if node.kwargs.get("alpha", 1) != 1:
+        return False
+    a, b = node.args
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return False
+    for mm, other in ((a, b), (b, a)):
+        if mm.op == "call_function" and mm.target is torch.ops.aten.mm.default and len(mm.users) == 1:
+            out, inp = mm.meta.get("val"), other.meta.get("val")
+            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and inp.dtype == out.dtype and inp.shape in (out.shape, out.shape[-1:]):
+                return True
+    return False
+
+
+def _fused_into_addmm(node: fx.Node) -> bool:
+    """A matmul whose one reader is an add Inductor lowers with it as one ``addmm``."""
+    return node.target is torch.ops.aten.mm.default and len(node.users) == 1 and _addmm_add(next(iter(node.users)))
+
+
 def _fuses_pointwise(node: fx.Node) -> bool:
     """Whether Inductor fuses a pointwise op that ``node`` reads into ``node``'s kernel."""
+    if _addmm_add(node):
+        return False
     return _tagged(node, torch.Tag.pointwise, torch.Tag.reduction) or node.target in _INDEXED_LOADS
 
 
 def _is_view(node: fx.Node) -> bool:
-    return act_inputs.storage_root(node) is not node or node.target is operator.getitem
+    """A view of another node's storage: a view op, or one result of a view op or of a
+    functionalized mutation (``_root``).  One result of any other multi-output op (the
+    attention's output, a norm's) is a buffer that op's kernel made."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        made_by = node.args[0]
+        return made_by.op != "call_function" or getattr(made_by.target, "is_view", False) or made_by.target in _FUNCTIONALIZED or _root(node) is not node
+    return act_inputs.storage_root(node) is not node
+
+
+_FUNCTIONALIZED = tuple(
+    op for op in (getattr(torch.ops.higher_order, "auto_functionalized", None), getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
+    if op is not None
+)
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` reads (``activation_inputs.storage_root``), where a
+    functionalized mutation's results (``auto_functionalized``: the op's output, then the
+    mutated inputs) are the inputs it mutated: Inductor writes them back in place."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        op, index = node.args[0], node.args[1]
+        if op.target in _FUNCTIONALIZED and isinstance(index, int) and index >= 1:
+            bases = op.kwargs.get("_all_bases")
+            if bases is None:  # v1: the mutated arguments, in the op's schema order
+                schema = op.args[0]._schema
+                bases = [op.kwargs[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if index - 1 < len(bases) and isinstance(bases[index - 1], fx.Node):
+                return _root(bases[index - 1])
+    return act_inputs.storage_root(node)
+
+
+def _runs_in_place(node: fx.Node) -> bool:
+    """A node that is a kernel of its own but makes no tensor of its own: a functionalized
+    mutation (written back in place), or a multi-output op (its results are its getitems)."""
+    return node.op == "call_function" and node.target is not operator.getitem and not isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def materialized(node: fx.Node) -> bool:
@@ -71,7 +131,9 @@ def materialized(node: fx.Node) -> bool:
         return True
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor) or _is_view(node):
         return False
-    if not _pointwise(node):
+    if _fused_into_addmm(node):
+        return False
+    if not _pointwise(node) or _addmm_add(node):
         return True
     stack, seen = list(node.users), set()
     while stack:
@@ -86,18 +148,52 @@ def materialized(node: fx.Node) -> bool:
     return False
 
 
-def kernel_ends(graph: fx.Graph) -> list[int]:
-    """Per node position, where the kernel computing it ends: its own position for a
-    materialised node, else the latest of its readers' (a fused op runs inside the kernel of
-    what reads it, and a view is read where its readers run).  What a fused op reads is alive
-    until that kernel has run: the kernel's output is allocated while its inputs still are."""
-    nodes = list(graph.nodes)
+def kernel_ends(graph: fx.Graph, order: list[fx.Node] | None = None) -> list[int]:
+    """Per node position (in ``order``, default the graph's), where the kernel computing it
+    ends: its own position for a materialised node, else the latest of its readers' (a fused
+    op runs inside the kernel of what reads it, and a view is read where its readers run).
+    What a fused op reads is alive until that kernel has run: the kernel's output is
+    allocated while its inputs still are."""
+    nodes = list(graph.nodes) if order is None else order
     pos = {n: i for i, n in enumerate(nodes)}
     out = list(range(len(nodes)))
     for n in reversed(nodes):
-        if n.op == "call_function" and not materialized(n) and n.users:
+        if n.op == "call_function" and not materialized(n) and not _runs_in_place(n) and n.users:
             out[pos[n]] = max(out[pos[u]] if u.op != "output" else len(nodes) - 1 for u in n.users)
     return out
+
+
+def _kernel_inputs(node: fx.Node) -> list[fx.Node]:
+    """The storages ``node``'s kernel reads: its inputs' roots, through the pointwise ops
+    fused into it."""
+    out, stack, seen = [], list(node.all_input_nodes), set()
+    while stack:
+        arg = stack.pop()
+        root = _root(arg)
+        if root in seen:
+            continue
+        seen.add(root)
+        if materialized(root):
+            out.append(root)
+        elif root.op == "call_function":
+            stack.extend(root.all_input_nodes)
+    return out
+
+
+def _reused_input(
+    node: fx.Node, nbytes: int, pos: dict[fx.Node, int], free_at: dict[fx.Node, int], ends: list[int], donated: set[fx.Node]
+) -> fx.Node | None:
+    """The input buffer a pointwise kernel writes its output over (Inductor's in-place
+    buffers): one of its kernel's inputs of the same bytes, made in the graph (or donated to
+    it), freed right after this kernel and not yet taken over; None where there is none (an
+    extern kernel, a reduction, or every input lives on)."""
+    if node.op != "call_function" or not _pointwise(node) or _addmm_add(node):
+        return None
+    here = ends[pos[node]] + 1
+    for root in _kernel_inputs(node):
+        if (root.op != "placeholder" or root in donated) and free_at.get(root) == here and nbytes_of(root) == nbytes:
+            return root
+    return None
 
 
 def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
@@ -118,40 +214,118 @@ def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
     return {n for n, v in zip(tangents, vals) if isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
-def held_bytes(graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True, dropped: Iterable[fx.Node] = ()) -> list[int]:
+def held_bytes(
+    graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True, dropped: Iterable[fx.Node] = (),
+    order: list[fx.Node] | None = None, donated: Iterable[fx.Node] = (),
+) -> list[int]:
     """Bytes of ``graph``'s own tensors alive right after each node (see the module);
     ``excluded``: nodes whose storages are not counted (the saved tensors); ``inputs``:
     whether the graph's inputs count (a backward's incoming gradients do, to the graph's end:
     autograd passes them to the compiled backward in arguments it holds until the call
     returns; a forward's inputs were held by the caller before the step); ``dropped``:
-    inputs that die at their last use instead (:func:`dropped_tangents`)."""
-    nodes = list(graph.nodes)
+    inputs that die at their last use instead (:func:`dropped_tangents`); ``order``: the
+    order the nodes run in (default the graph's; :func:`memory_order`), which the result's
+    positions follow; ``donated``: inputs a kernel may write its output over where they die
+    in it (saved tensors the compiled backward owns)."""
+    nodes = list(graph.nodes) if order is None else order
     pos = {n: i for i, n in enumerate(nodes)}
-    skip = {act_inputs.storage_root(n) for n in excluded}
-    dropped = set(dropped)
+    skip = {_root(n) for n in excluded}
+    dropped, donated = set(dropped), set(donated)
     end = len(nodes)
-    ends = kernel_ends(graph)
+    ends = kernel_ends(graph, order)
     last: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            root = act_inputs.storage_root(arg)
+            root = _root(arg)
             last[root] = max(last.get(root, -1), end if n.op == "output" else ends[pos[n]])
     diff = [0] * (end + 1)
+    free_at: dict[fx.Node, int] = {}
     for n in nodes:
         if n in skip or not materialized(n) or (n.op == "placeholder" and not inputs):
             continue
         nbytes = nbytes_of(n)
         if nbytes:
-            diff[pos[n]] += nbytes
             # An input lives to the graph's end: autograd holds a backward's incoming
             # gradients in the arguments of the call until it returns.
             held_to_end = n.op == "placeholder" and n not in dropped
-            diff[end if held_to_end else min(end, max(last.get(n, pos[n]), pos[n]) + 1)] -= nbytes
+            free_at[n] = end if held_to_end else min(end, max(last.get(n, pos[n]), pos[n]) + 1)
+            reused = _reused_input(n, nbytes, pos, free_at, ends, donated)
+            if reused is not None:  # written in place of an input that dies in its kernel
+                diff[free_at.pop(reused)] += nbytes
+            else:
+                diff[pos[n]] += nbytes
+            diff[free_at[n]] -= nbytes
     out, total = [], 0
     for d in diff[:end]:
         total += d
         out.append(total)
     return out
+
+
+def _kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
+    """Per storage root, the nodes whose kernels read it (a fused reader's kernel is that of
+    what reads it; the output node reads what the graph returns)."""
+    memo: dict[fx.Node, set[fx.Node]] = {}
+
+    def kernels(u: fx.Node) -> set[fx.Node]:
+        if u not in memo:
+            if u.op == "output" or materialized(u) or _runs_in_place(u) or u.op != "call_function" or not u.users:
+                memo[u] = {u}
+            else:
+                memo[u] = set().union(*(kernels(w) for w in u.users))
+        return memo[u]
+
+    out: dict[fx.Node, set[fx.Node]] = collections.defaultdict(set)
+    for n in reversed(list(graph.nodes)):
+        for arg in n.all_input_nodes:
+            out[_root(arg)] |= kernels(n)
+    return out
+
+
+def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Iterable[fx.Node] = ()) -> list[fx.Node]:
+    """An order of ``graph``'s nodes as Inductor's ``reorder_for_peak_memory`` would pick it
+    (least peak memory first: among the nodes ready to run, one that stays under the most
+    held so far with the least held after it, else the one holding the least while it runs;
+    ties in the graph's order), with this module's buffers: materialised nodes allocate their
+    bytes, a storage is freed when the last kernel reading it has run (inputs held to the
+    end but ``dropped``; ``excluded`` storages not counted)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    skip = {_root(n) for n in excluded}
+    dropped = set(dropped)
+    readers = _kernels_reading(graph)
+    remaining = {r: len(k) for r, k in readers.items()}
+    freeable = {
+        r: nbytes_of(r) for r in readers
+        if r not in skip and materialized(r) and (r.op != "placeholder" or r in dropped)
+    }
+    reads: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
+    for r, ks in readers.items():
+        for k in ks:
+            reads[k].append(r)
+    alloc = {n: (nbytes_of(n) if materialized(n) and n.op != "placeholder" and n not in skip else 0) for n in nodes}
+    indegree = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [n for n in nodes if indegree[n] == 0]
+    live = sum(nbytes_of(n) for n in ready if n.op == "placeholder" and n not in skip and materialized(n))
+    most, out = live, []
+    while ready:
+        def costs(n: fx.Node) -> tuple[int, int]:
+            freed = sum(freeable.get(r, 0) for r in reads.get(n, ()) if remaining[r] == 1)
+            return live + alloc[n], live + alloc[n] - freed
+        scored = [(costs(n), pos[n], n) for n in ready]
+        under = [t for t in scored if t[0][0] <= most]
+        (mem1, mem2), _, pick = min(under, key=lambda t: (t[0][1], t[1])) if under else min(scored, key=lambda t: (t[0][0], t[1]))
+        ready.remove(pick)
+        out.append(pick)
+        most = max(most, mem1)
+        live = mem2
+        for r in reads.get(pick, ()):
+            remaining[r] -= 1
+        for u in pick.users:
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                ready.append(u)
+    return out if len(out) == len(nodes) else nodes
 
 
 def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node]) -> tuple[int, str]:
@@ -163,8 +337,6 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
     fw_held = held_bytes(fw_g, saved, inputs=False)
-    bw_held = held_bytes(bw_g, bw_saved, dropped=dropped_tangents(bw_g))
-    bw_ends = kernel_ends(bw_g)
     diff = [0] * (len(fw_nodes) + 1)
     planned = set()
     for c in plan.choices:
@@ -182,13 +354,43 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
         total += d
         if total + fw_held[i] > best:
             best, where = total + fw_held[i], f"forward node {fw_nodes[i].name}"
-    diff = [0] * (len(bw_nodes) + 1)
     # A storage the forward makes and returns once, as a saved tensor, reaches the backward
     # donated; one it also returns as an output (or a view of it), saves twice, or takes as
     # an input (an activation another graph made), does not.
     returned = collections.Counter(
         act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node)
     ) if fw_nodes and fw_nodes[-1].op == "output" else collections.Counter()
+    # Inductor runs the backward in the graph's order or one it finds to hold less
+    # (reorder_for_peak_memory): the lower of the two.
+    dropped = dropped_tangents(bw_g)
+    orders = [None, memory_order(bw_g, (), dropped | set(bw_saved))]
+    peak, at = min((_backward_peak(plan, bw_g, bw_saved, returned, dropped, order) for order in orders), key=lambda t: t[0])
+    return (peak, at) if peak > best else (best, where)
+
+
+def _backward_peak(
+    plan: Any, bw_g: fx.Graph, bw_saved: list[fx.Node], returned: collections.Counter, dropped: set[fx.Node],
+    order: list[fx.Node] | None,
+) -> tuple[int, str]:
+    """The backward's part of :func:`predicted_peak`, its nodes run in ``order`` (default the
+    graph's): a storage's span, in the graph's positions on the plan, runs from the first to
+    the last kernel reading it in that order."""
+    graph_nodes = list(bw_g.nodes)
+    bw_nodes = graph_nodes if order is None else order
+    rank = {n: i for i, n in enumerate(bw_nodes)}
+    bw_held = held_bytes(bw_g, bw_saved, dropped=dropped, order=order)
+    bw_ends = kernel_ends(bw_g, order)
+    by_name = {b.name: b for b in bw_saved}
+    readers = _kernels_reading(bw_g) if order is not None else {}
+
+    def span_of(members: Any, span: Any) -> tuple[int, int]:
+        if order is None:
+            return span.first, span.last
+        ranks = [rank[k] for m in members if m.name in by_name for k in readers.get(by_name[m.name], ()) if k in rank]
+        if ranks:
+            return min(ranks), max(ranks)
+        at = lambda i: rank[graph_nodes[i]] if i < len(graph_nodes) else len(graph_nodes)  # noqa: E731
+        return at(span.first), at(span.last)
 
     def freed(last: int, nbytes: int = 0) -> int:
         """After the kernel of its last reader; for a donated storage (``nbytes`` given)
@@ -202,17 +404,54 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
             return kernel
         return min(len(bw_nodes), kernel + 1)
 
+    diff = [0] * (len(bw_nodes) + 1)
     for c in plan.choices:
+        first, last = span_of(c.members, c.span)
         diff[0] += c.chosen.device_bytes
-        diff[c.span.first] += c.nbytes - c.chosen.device_bytes
+        first = min(first, len(bw_nodes))
+        diff[first] += c.nbytes
+        # A stored form (bf16, int8, fp8) is read by its unpack's kernel, which writes the
+        # full-size tensor beside it: freed after it.
+        diff[min(first + 1, len(bw_nodes)) if c.chosen.device_bytes not in (0, c.nbytes) else first] -= c.chosen.device_bytes
         donated = all(returned[act_inputs.storage_root(m)] == 1 and act_inputs.storage_root(m).op != "placeholder" for m in c.members)
-        diff[freed(c.span.last, c.nbytes if donated else 0)] -= c.nbytes
+        diff[freed(last, c.nbytes if donated else 0)] -= c.nbytes
     for span, nbytes in plan.fixed:
         diff[0] += nbytes
-        diff[freed(span.last)] -= nbytes
-    total = plan.ahead_bytes
+        diff[freed(span_of((), span)[1])] -= nbytes
+    best, where, total = -1, "", plan.ahead_bytes
     for i, d in enumerate(diff[: len(bw_nodes)]):
         total += d
         if total + bw_held[i] > best:
             best, where = total + bw_held[i], f"backward node {bw_nodes[i].name}"
     return best, where
+
+
+def unplanned_peak(fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node]) -> tuple[int, int, str]:
+    """The step's peak of a partition as it is, without a plan: every saved tensor held
+    from where the forward makes it to its last backward use (the compiled backward takes
+    them in a list it empties); with the graphs' own tensors as :func:`predicted_peak`
+    counts them.  Returns the peak, the bytes the saved tensors hold at the forward's end
+    (storages once, graph inputs not counted), and where the peak is, in words."""
+    fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
+    fw_held = held_bytes(fw_g, (), inputs=False)
+    # Saved graph inputs (parameters, the batch) are the caller's before the step.
+    by_name = {n.name: n for n in saved}
+    held_by_caller = [b for b in bw_saved if act_inputs.storage_root(by_name.get(b.name, b)).op == "placeholder"]
+    dropped = dropped_tangents(bw_g) | set(bw_saved)
+    best, where = -1, ""
+    for i, held in enumerate(fw_held):
+        if held > best:
+            best, where = held, f"forward node {fw_nodes[i].name}"
+    backward = []
+    for order in (None, memory_order(bw_g, held_by_caller, dropped)):
+        bw_held = held_bytes(bw_g, held_by_caller, dropped=dropped, order=order, donated=set(bw_saved) - set(held_by_caller))
+        top = max(range(len(bw_held)), key=bw_held.__getitem__, default=None)
+        if top is not None:
+            backward.append((bw_held[top], f"backward node {(order or bw_nodes)[top].name}"))
+    if backward:
+        peak, at = min(backward)
+        if peak > best:
+            best, where = peak, at
+    roots = {act_inputs.storage_root(s) for s in saved}
+    at_end = sum(nbytes_of(r) for r in roots if r.op != "placeholder")
+    return best, at_end, where

@@ -1,6 +1,6 @@
 """Convergence benchmark: does a memory saving train the same model?
 
-``python -m torch_patches bench --train`` trains small language models (Hugging Face Llama
+``python -m benchmarks.convergence`` trains small language models (Hugging Face Llama
 and GPT-2 built from configs: random init, no download) as byte-level models (vocabulary
 256; ``--vocab`` widens the embedding, the head and the logits) on real English text that Python itself ships (the documentation topics of
 ``pydoc_data``), with AdamW, a linear warm-up and a cosine decay, for each *row* (no hooks,
@@ -15,7 +15,7 @@ seed, as a mean over seeds with the spread (min and max); the peak memory of one
 the median step time, as ratios against the same reference.  One run's final loss moves by
 about 1.5% under any bf16-sized perturbation of its arithmetic, so compare means over
 seeds.  With matplotlib installed (``pip install -e ".[bench]"``) the loss curves are
-written as a PNG.
+written as a PNG (:mod:`benchmarks.convergence_report`).
 
 Each row runs in a subprocess of its own (its own compile cache, torch_patches applied or
 not), compiling once for all its seeds: the model object is reused and re-initialised.
@@ -55,8 +55,9 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from torch_patches.bench.convergence_report import format_table, plot, summarize
-from torch_patches.bench.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
+from benchmarks import worker_env
+from benchmarks.convergence_report import format_table, plot, summarize
+from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
 
 
 #: The rows of a default run.
@@ -118,6 +119,9 @@ class TrainConfig:
     #: (``labels=``, the cache at its default: on), the HF model itself compiled (whole
     #: model), its logits and cache returned beside the loss and dropped by the caller.
     call: str = "bench"
+    #: HF's ``gradient_checkpointing_enable()`` on the model (its default, non-reentrant), as
+    #: HF Trainer's ``gradient_checkpointing=True`` calls it.
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -190,12 +194,14 @@ def eval_batches(data: Any, cfg: TrainConfig) -> Any:
 
 
 def build(cfg: TrainConfig) -> Any:
-    """The model of ``cfg`` (:mod:`torch_patches.bench.models`): a module mapping token ids to
+    """The model of ``cfg`` (:mod:`torch_patches.testing.models`): a module mapping token ids to
     the mean next-token loss."""
     try:
         lm = MODELS[cfg.model](vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
     except ImportError as e:
-        raise RuntimeError('bench --train needs transformers: pip install -e ".[models]"') from e
+        raise RuntimeError('benchmarks.convergence needs transformers: pip install -e ".[models]"') from e
+    if cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
     return causal_lm_loss(lm, cfg.call)
 
 
@@ -234,7 +240,7 @@ class Row:
 
         match = re.fullmatch(r"(eager\+)?(\w+)(?:\((.*)\))?(:all)?", name)
         if match is None or match.group(2) not in HOOKS:
-            raise ValueError(f"unknown row {name!r} (module docstring of torch_patches.bench.convergence)")
+            raise ValueError(f"unknown row {name!r} (module docstring of benchmarks.convergence)")
         kwargs = []
         for item in filter(None, (match.group(3) or "").split(",")):
             key, _, value = item.partition("=")
@@ -318,6 +324,9 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
         compile_per_layer(model.lm, backend=cfg.backend, loss=True)
     elif row.compiled and cfg.call == "hf_default":
         model.lm.compile(backend=cfg.backend)  # the HF model's graph returns logits and cache
+    elif row.compiled and cfg.call == "torchtitan":
+        model.lm.compile(backend=cfg.backend)  # the body's graph returns the logits
+        model.loss_fn = torch.compile(model.loss_fn, backend=cfg.backend)  # the loss compiled apart
     elif row.compiled:
         fn = torch.compile(model, backend=cfg.backend)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -387,12 +396,12 @@ def plan_row(plan: Any) -> dict[str, Any]:
 def run_in_subprocess(
     cfg: TrainConfig, row: str, seeds: list[int], allowlist: dict[str, Any] | None = None, timeout: float = 7200
 ) -> dict[str, Any]:
-    env = dict(os.environ)
+    env = worker_env()
     payload = json.dumps({"cfg": dataclasses.asdict(cfg), "row": row, "seeds": seeds, "allowlist": allowlist})
     with tempfile.TemporaryDirectory(prefix="torch_patches_train_") as cache_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # every row compiles with its own cache
         proc = subprocess.run(
-            [sys.executable, "-m", "torch_patches.bench.convergence", "--worker", payload],
+            [sys.executable, "-m", "benchmarks.convergence", "--worker", payload],
             capture_output=True, text=True, env=env, timeout=timeout,
         )
     if proc.returncode != 0:
@@ -417,13 +426,19 @@ def split_rows(text: str) -> list[str]:
     return [r.strip() for r in [*rows, current] if r.strip()]
 
 
+def _flag(text: str) -> bool:
+    """A boolean option's value: 1/true/yes or 0/false/no."""
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m torch_patches bench --train", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma list (see the module docstring)")
@@ -431,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
         if field.name != "model":
-            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults, field.name)),
-                                default=getattr(defaults, field.name))
+            value = getattr(defaults, field.name)
+            kind = _flag if isinstance(value, bool) else type(value)
+            parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=value)
     parser.add_argument(
         "--allowlist", type=json.loads, default=None,
         help='entries over the numerics allowlist (JSON, as torch_patches.config.numerics_allowlist)',

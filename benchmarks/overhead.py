@@ -1,4 +1,4 @@
-"""``python -m torch_patches bench --overhead``: what hooks cost per compiled call.
+"""``python -m benchmarks.overhead``: what hooks cost per compiled call.
 
 A model compiled block by block (as FSDP2's ``fully_shard`` with per-block ``torch.compile``
 and torchtitan do) calls every compiled block's guards and runtime wrapper once per step:
@@ -40,6 +40,10 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import worker_env
+from torch_patches.testing.models import hf_llama
+
+
 MODES = ("stock", "stock-pair", "ours", "ours-pair", "ours-bf16", "ours-recreated", "ours-scaled", "ours-budget")
 SHAPES = ("per-block", "graph-breaks", "llama")
 #: The row each row's ratio is taken against.
@@ -74,8 +78,6 @@ def _build(shape: str, args: dict[str, Any]) -> tuple[Any, Any]:
 
     device, n, width, batch = args["device"], args["blocks"], args["width"], args["batch"]
     if shape == "llama":
-        from torch_patches.bench.models import hf_llama
-
         lm = hf_llama(vocab=256, dim=64, layers=4, heads=2, seq=32).to(device)
         for layer in lm.model.layers:
             layer.compile()
@@ -201,8 +203,8 @@ def measure(shape: str, mode: str, args: dict[str, Any]) -> dict[str, Any]:
 
 def _run_worker(shape: str, mode: str, args: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_patches.bench", "--overhead", "--worker", json.dumps([shape, mode, args])],
-        capture_output=True, text=True, env=dict(os.environ), timeout=1200,
+        [sys.executable, "-m", "benchmarks.overhead", "--worker", json.dumps([shape, mode, args])],
+        capture_output=True, text=True, env=worker_env(), timeout=1200,
     )
     if proc.returncode != 0:
         return {"shape": shape, "mode": mode, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
@@ -252,9 +254,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_patches bench --overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--overhead", action="store_true")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--shapes", default="per-block,graph-breaks,llama")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -296,3 +297,7 @@ def main(argv: list[str]) -> int:
         json.dump({"torch": torch.__version__, "config": common, "rows": rows}, f, indent=2)
     print(f"results written to {args.json}")
     return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,21 +1,29 @@
-"""The benchmarks' models and inputs, shared with the tests.
+"""Small models built from configs, shared by the tests, ``python -m torch_patches bench``,
+``python -m torch_patches report`` and the research harness (``benchmarks/``).
 
-* :func:`build_model` / :func:`example_input` / :func:`blocks_of`: the models of
-  ``python -m torch_patches bench`` (``mlp8``, ``transformer``, ``llama``), described by a
-  :class:`~torch_patches.bench.case.Case` (its ``model``, ``dim``, ``blocks``, ``batch`` and
-  ``device``).
-* :func:`hf_llama` / :func:`hf_gpt2` and :func:`causal_lm_loss`: Hugging Face causal language
-  models built from configs (random init, no download; they need ``transformers``), used by
-  the bench's ``llama`` and by ``bench --train`` (:mod:`torch_patches.bench.convergence`).
+* :func:`build_model` / :func:`example_input` / :func:`blocks_of`: the bench's models
+  (``mlp8``, ``transformer``, ``llama``), described by a :class:`ModelShape` (a bench row,
+  :class:`~torch_patches.bench.case.Case`).
+* :func:`hf_llama` / :func:`hf_gpt2` / :func:`hf_vit` and :func:`causal_lm_loss`: Hugging Face
+  models built from configs (random init, no download; they need ``transformers``).
+* :func:`report_step`: one training step of a built-in model, for ``report --model``.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from torch_patches.bench.case import Case
+
+class ModelShape(Protocol):
+    """What the bench's model builders read of a row (:class:`~torch_patches.bench.case.Case`)."""
+
+    model: str
+    dim: int
+    blocks: int
+    batch: int
+    device: str
 
 
 # ------------------------------------------------------------ Hugging Face models
@@ -78,7 +86,7 @@ def compile_per_layer(lm: Any, backend: str = "inductor", loss: bool = False) ->
 
 
 #: How a causal language model is called (:func:`causal_lm_loss`).
-CALLS = ("bench", "hf_default")
+CALLS = ("bench", "hf_default", "torchtitan")
 
 
 def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
@@ -91,7 +99,10 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
     layers run eagerly.  ``call="hf_default"``: as HF Trainer calls it, ``labels=`` given and
     ``use_cache`` at the model's default (on): ``lm`` returns its logits and the cache's keys
     and values beside the loss (when ``lm`` itself is compiled, outputs of its graph), and
-    the caller keeps only the loss."""
+    the caller keeps only the loss.  ``call="torchtitan"``: the model returns its logits
+    (no labels, no cache) and the loss is torchtitan's ``cross_entropy_loss`` on them
+    (``loss_fn``: the compiler compiles it apart, as torchtitan does), the labels shifted by
+    padding as HF shifts them."""
     import torch
 
     if call not in CALLS:
@@ -102,9 +113,23 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.lm = lm
+            self.loss_fn = cross_entropy_loss
 
         def forward(self, ids: Any) -> Any:
+            if call == "torchtitan":
+                labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+                return self.loss_fn(self.lm(input_ids=ids, use_cache=False).logits, labels)
             return self.lm(input_ids=ids, labels=ids, **extra).loss
+
+    return CausalLMLoss()
+
+
+def cross_entropy_loss(pred: Any, labels: Any) -> Any:
+    """torchtitan's ``cross_entropy_loss``: the logits flattened over the tokens and upcast,
+    a mean over the targets other than -100."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
 
     return CausalLMLoss()
 
@@ -117,7 +142,7 @@ LLAMA_SEQ = 256
 LLAMA_VOCAB = 4096
 
 
-def build_model(case: Case) -> Any:
+def build_model(case: ModelShape) -> Any:
     import torch
 
     d = case.dim
@@ -161,7 +186,7 @@ def build_model(case: Case) -> Any:
     raise ValueError(f"unknown model {case.model!r}")
 
 
-def _llama(case: Case) -> Any:
+def _llama(case: ModelShape) -> Any:
     """Hugging Face Llama from a config (random init, no download; needs transformers):
     hidden ``dim``, ``blocks`` layers, RoPE, SDPA. Called with token ids, returns the loss."""
     try:
@@ -171,7 +196,7 @@ def _llama(case: Case) -> Any:
     return causal_lm_loss(lm)
 
 
-def example_input(case: Case) -> Any:
+def example_input(case: ModelShape) -> Any:
     import torch
 
     if case.model == "llama":
@@ -184,7 +209,7 @@ def example_input(case: Case) -> Any:
     return torch.randn(case.batch, case.dim, device=case.device)
 
 
-def blocks_of(model: Any, case: Case) -> list[Any]:
+def blocks_of(model: Any, case: ModelShape) -> list[Any]:
     """The repeated blocks of a bench model: the Sequential's children, Llama's decoder layers."""
     if case.model == "llama":
         return decoder_layers(model.lm)
@@ -227,9 +252,8 @@ def report_step(name: str, device: str, backend: str = "inductor") -> Callable[[
 
             model, inputs = vit_loss, (torch.randn(8, 3, 32, 32, generator=gen).to(device),)
         elif name == "mlp8":
-            from torch_patches.bench.case import Case
-
-            model = build_model(Case(model="mlp8", device=device, batch=2048, dim=128)).to(device)
+            shape = types.SimpleNamespace(model="mlp8", device=device, batch=2048, dim=128, blocks=8)
+            model = build_model(shape).to(device)
             inputs = (torch.randn(2048, 128, generator=gen).to(device).requires_grad_(),)
         else:
             raise ValueError(f"unknown model {name!r}: llama, gpt2, vit or mlp8")

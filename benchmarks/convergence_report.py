@@ -1,4 +1,4 @@
-"""The report of ``bench --train`` (:mod:`torch_patches.bench.convergence`): each row's
+"""The report of ``python -m benchmarks.convergence`` (:mod:`benchmarks.convergence`): each row's
 losses summarized over seeds against the compiled run without hooks, the table, the loss
 curves."""
 

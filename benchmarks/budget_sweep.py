@@ -1,9 +1,10 @@
 """Budget sweep: ``torch_patches.hooks.budget(F)`` against stock ``activation_memory_budget = F``
 over a range of fractions, planned beside measured.
 
-``python -m torch_patches bench --budget-sweep`` builds the causal language models of
-``bench --train`` (Hugging Face Llama and GPT-2 from configs, random init; the text is
-bytes, ``--vocab`` widens the embedding, the head and the logits) and runs, each in a
+``python -m benchmarks.budget_sweep`` builds the causal language models of
+:mod:`benchmarks.convergence` (Hugging Face Llama and GPT-2 from configs, random init; the text is
+bytes, ``--vocab`` widens the embedding, the head and the logits: a comma list is a sweep
+per vocabulary, the axis where the loss head becomes the step's peak) and runs, each in a
 subprocess of its own (its own compile cache): the compiled model without hooks, and per
 fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
 torch_patches not applied).  Each row trains ``--steps`` steps (the first compiles) and
@@ -45,8 +46,9 @@ import sys
 import time
 from typing import Any
 
-from torch_patches.bench.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
-from torch_patches.bench.models import CALLS
+from benchmarks.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
+from torch_patches.testing.models import CALLS
 
 
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -213,8 +215,7 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m torch_patches bench --budget-sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-sweep", action="store_true", help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.budget_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS))
     parser.add_argument("--layers", type=int, default=4)
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", default="8192", help="vocabulary sizes, a comma list (a sweep per size)")
     parser.add_argument("--steps", type=int, default=6, help="steps per row (the first compiles; >= 4)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--device", default="cpu")
@@ -233,44 +234,46 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch_patches.config.activation_budget_bounds for the budget rows")
     parser.add_argument("--call", choices=CALLS, default="bench",
                         help="bench: the loss inside what is compiled, KV cache off; hf_default: as HF Trainer "
-                        "calls the model (labels=, KV cache at its default), the HF model compiled")
+                        "calls the model (labels=, KV cache at its default), the HF model compiled; torchtitan: "
+                        "the model returns its logits and the loss is compiled apart")
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
     args = parser.parse_args(argv)
 
     import torch
-
-    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
 
     fractions = sorted({float(f) for f in args.fractions.split(",") if f})
     if not fractions or not all(0 < f <= 1 for f in fractions):
         parser.error("--fractions: a comma list of fractions in (0, 1]")
     if args.steps < 4:
         parser.error("--steps: at least 4 (the first compiles, the third is measured, the rest timed)")
-    sizes = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab,
-                 steps=args.steps, eval_every=args.steps, eval_batches=1, backend=args.backend, device=args.device,
-                 compile_per=args.compile_per, budget_bounds=args.bounds, call=args.call)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
-          f"vocab {args.vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-          f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}", flush=True)
-    out = {"torch": torch.__version__, "sizes": sizes, "fractions": fractions, "models": {}}
-    for model in [m for m in args.models.split(",") if m]:
-        cfg = TrainConfig(model=model, **sizes)
-        rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
-        if copy_engine(torch.device(args.device)):
-            rows += list(OFFLOAD_ROWS)
-        results = {}
-        for row in rows:
-            start = time.time()
-            results[row] = run_in_subprocess(cfg, row, [0])
-            print(f"  {model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-        summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
-        out["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
-        print(f"\n{model}:\n{format_table(summary, args.tolerance)}", flush=True)
+    vocabs = [int(v) for v in args.vocab.split(",") if v]
+    out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "sweeps": {}}
+    for vocab in vocabs:
+        sizes = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, batch=args.batch, vocab=vocab,
+                     steps=args.steps, eval_every=args.steps, eval_batches=1, backend=args.backend, device=args.device,
+                     compile_per=args.compile_per, budget_bounds=args.bounds, call=args.call)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
+              f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
+              f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}", flush=True)
+        sweep = out["sweeps"][str(vocab)] = {"sizes": sizes, "models": {}}
+        for model in [m for m in args.models.split(",") if m]:
+            cfg = TrainConfig(model=model, **sizes)
+            rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
+            if copy_engine(torch.device(args.device)):
+                rows += list(OFFLOAD_ROWS)
+            results = {}
+            for row in rows:
+                start = time.time()
+                results[row] = run_in_subprocess(cfg, row, [0])
+                print(f"  {model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+            summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
+            sweep["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
+            print(f"\n{model} (vocab {vocab}):\n{format_table(summary, args.tolerance)}", flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nresults written to {args.json}")
-    failed = any(line["errors"] for m in out["models"].values() for line in m["summary"]["lines"])
+    failed = any(line["errors"] for sweep in out["sweeps"].values() for m in sweep["models"].values() for line in m["summary"]["lines"])
     return 1 if failed else 0
 
 
