@@ -793,27 +793,26 @@ def _stand_in_plan(held, ms=0.0, lossy=True, met=True):
 
 
 class TestKnapsackWeighing(TestCase):
-    """``partitioners._better`` and ``_fit_under`` on stand-in plans: the knapsack's
+    """``partition_choice._better`` and ``_fit_under`` on stand-in plans: the knapsack's
     partition that meets the budget exactly but recomputes slower than the lossy plan and
     its margin is kept out only where it holds no less, or where the plan fitted under what
-    it holds (``CompileFacts.budget_cap``) reaches it and stays faster by more than the
-    margin."""
+    it holds (the cap the phases' plan is then fitted under, ``PartitionTerms.cap``) reaches
+    it and stays faster by more than the margin."""
 
     def weigh(self, ours, knap, extra, *refitted):
-        from torch_patches._functorch import partitioners
+        from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 
-        found, calls = [], []
+        calls = []
 
-        def refit():
-            calls.append(compile_facts.facts().budget_cap)
+        def refit(cap):
+            calls.append(cap)
             return [refitted[len(calls) - 1]]
 
-        with torch._guards.tracing(torch._guards.TracingContext(None)):
-            taken, why = partitioners._better([ours], [knap], extra, 0)
-            if taken is None:
-                taken, why = partitioners._fit_under(knap, ours, why, 0, extra, refit)
-            found.append(compile_facts.facts().budget_cap)
-        return taken, why, found[0], calls
+        taken, why = partition_choice._better([ours], [knap], extra, 0)
+        cap = None
+        if taken is None:
+            taken, why, cap = partition_choice._fit_under(knap, ours, why, 0, extra, refit)
+        return taken, why, cap, calls
 
     def test_kept_out_where_it_holds_no_less(self):
         taken, why, cap, calls = self.weigh(_stand_in_plan(100, 1.0), _stand_in_plan(100, lossy=False), (10.0, 1.0))
@@ -848,17 +847,16 @@ class TestKnapsackWeighing(TestCase):
     def test_forward_end_capped_where_it_sets_the_score(self):
         # A graph whose forward's end, beside what the rest of the step holds after it (a
         # loss after a graph break reads its logits), sets its score: that point is capped.
-        from torch_patches._functorch import partitioners
+        from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 
         ours, knap = _stand_in_plan(100, 1.0), _stand_in_plan(100, lossy=False)
         ours.predicted_bytes, knap.predicted_bytes = 60, 50
-        with torch._guards.tracing(torch._guards.TracingContext(None)):
-            taken, why = partitioners._better([ours], [knap], (10.0, 1.0), 80)
-            self.assertIsNone(taken)
-            fitted = _stand_in_plan(100, 2.0)
-            fitted.predicted_bytes = 50
-            taken, _ = partitioners._fit_under(knap, ours, why, 80, (10.0, 1.0), lambda: [fitted])
-            self.assertEqual((taken, compile_facts.facts().budget_cap), (False, (50, True)))
+        taken, why = partition_choice._better([ours], [knap], (10.0, 1.0), 80)
+        self.assertIsNone(taken)
+        fitted = _stand_in_plan(100, 2.0)
+        fitted.predicted_bytes = 50
+        taken, _, cap = partition_choice._fit_under(knap, ours, why, 80, (10.0, 1.0), lambda cap: [fitted])
+        self.assertEqual((taken, cap), (False, (50, True)))
 
 
 def ab_options():

@@ -33,6 +33,7 @@ from torch._dynamo.test_case import run_tests
 from torch_patches import config as tp_config
 from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch import partitioners
+from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 from torch_patches._functorch._aot_autograd import (
     compile_facts,
     graph_surgery,
@@ -216,20 +217,20 @@ class TestInternalFallback(TestCase):
             self.assertEqual([k for k in vars(gm) if k.startswith("_saved_tensors_hook_constant")], [])
         self.assertGradsEqual(grads, self.plain_grads())
 
-    def test_partition_retry_after_adopting(self, device):
-        # The retry moved the knapsack's forward into the caller's module, then failed: the
+    def test_partition_choice_after_adopting(self, device):
+        # The partition choice moved the knapsack's forward into the caller's module, then failed: the
         # default partition comes back.
         with tp_config.patch(activation_budget_partitioner_recompute=True):
             self.check_budget(
-                (partitioners, "_better", lambda *a, **k: (True, "taken (test)")),
-                (partitioners, "_adopt", failing_after(partitioners._adopt, calls=1)),
+                (partition_choice, "_better", lambda *a, **k: (True, "taken (test)")),
+                (partition_choice, "_adopt", failing_after(partition_choice._adopt, calls=1)),
             )
 
     def test_partitioner_patch(self, device):
         # The partitioner patch itself fails: upstream's own partition, which the budget
         # then plans as usual.
         with tp_config.patch(activation_budget_partitioner_recompute=True):
-            with mock.patch.object(partitioners, "_activation_bytes", failing):
+            with mock.patch.object(partitioners, "_recomputes_unsafely", failing):
                 grads, backend, compiled, ours = self.fallback_step(budget(0.3))
         internal = [m for m in ours if "internal error" in m]
         self.assertEqual(len(internal), 1, ours)

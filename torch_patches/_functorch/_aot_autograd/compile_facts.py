@@ -24,8 +24,34 @@ import dataclasses
 import logging
 from typing import Any
 
+import torch
+
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionOffer:
+    """What a partition under an ambient fractional budget can be redone from, and what the
+    partitioner's cheap recomputation saves: data the partitioner patch hands the partition
+    choice (``activation_budget/partition_choice.py``)."""
+
+    #: The joint graph the partitioner ran on.
+    joint_module: torch.fx.GraphModule
+    #: The budget's fraction (``activation_memory_budget`` the knapsack is redone at).
+    fraction: float
+    #: The default partition's activation bytes (the budget's 1).
+    default_bytes: int
+    #: What the partitioner's cheap recomputation saves, of ``default_bytes`` (1.0 where it
+    #: recomputes a random op or from a mutated input: never offered).
+    cheap_ratio: float
+    #: The budget the cheap recomputation is asked for at (just under 1).
+    cheap_budget: float
+
+    @property
+    def cheap_met(self) -> bool:
+        """Whether the cheap recomputation saves at most the fraction."""
+        return self.cheap_ratio <= self.fraction
 
 
 @dataclasses.dataclass
@@ -39,23 +65,10 @@ class CompileFacts:
     #: Why this compilation must not be saved to AOTAutogradCache (hooks fell back to eager
     #: hooks, or keyed only in this process); read by the cache-save patch.
     not_cacheable: list[str] = dataclasses.field(default_factory=list)
-    #: Under an ambient budget, the fraction of the default partition's activation bytes the
-    #: partitioner's cheap recomputation saves, when it met the budget (set by the
-    #: partitioner patch, read by the budget plan: the budget is a fraction of the default's).
-    partition_budget_ratio: float | None = None
-    #: Under an ambient fractional budget, the fraction the partitioner's cheap recomputation
-    #: saves whether or not it met the budget (reported with the plan's summary).
-    partition_cheap_ratio: float | None = None
-    #: Under an ambient fractional budget the cheap recomputation did not meet: what the
-    #: partition can be redone from at that fraction, ``partitioners.PartitionRetry`` (set by
-    #: the partitioner patch, taken by the inliner's driver: :func:`take_partition_retry`).
-    partition_retry: Any = None
-    #: Under an ambient fractional budget whose plan stores lossily where the partitioner's
-    #: knapsack at the fraction holds less but recomputes too slowly: ``(bytes, forward's
-    #: end only)``, the bound the plan is fitted under besides the fraction's, so that it
-    #: holds no more than that partition (set by the partitioner patch's weighing, read by
-    #: the budget plan).
-    budget_cap: tuple[int, bool] | None = None
+    #: Under an ambient fractional budget: what the partitioner patch offers the partition
+    #: choice (set by ``_functorch/partitioners.py``, taken by the inliner's driver:
+    #: :func:`take_partition_offer`).
+    partition_offer: PartitionOffer | None = None
     #: While a report records: the partitioner's saved set at each activation_memory_budget
     #: fraction, ``(fraction, saved activation bytes, estimated recomputation ms)`` (set by
     #: the partitioner patch, copied onto the records by the inliner).
@@ -130,15 +143,14 @@ def mark_not_cacheable(reason: str) -> bool:
     return True
 
 
-def take_partition_retry() -> Any:
-    """What the partition of the compilation in progress can be redone from (the partitioner
-    patch's ``PartitionRetry``, with its ``weigh``), cleared from the facts: None if
-    nothing."""
+def take_partition_offer() -> PartitionOffer | None:
+    """What the partitioner patch offered for the compilation in progress, cleared from the
+    facts: None if nothing."""
     found = facts()
     if found is None:
         return None
-    retry, found.partition_retry = found.partition_retry, None
-    return retry
+    offer, found.partition_offer = found.partition_offer, None
+    return offer
 
 
 def not_cacheable_reasons() -> list[str]:

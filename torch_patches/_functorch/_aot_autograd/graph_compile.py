@@ -31,6 +31,7 @@ contract live in ``hook_tracing``, the graph rewrite in ``graph_surgery``, graph
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -51,6 +52,8 @@ from torch_patches._functorch._aot_autograd import (
     saved_tensor_records as records,
     utils as hook_utils,
 )
+from torch_patches._functorch._aot_autograd import activation_budget
+from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, trial_trace  # noqa: F401 - public
 
@@ -127,13 +130,19 @@ def maybe_inline_graph_saved_tensors_hooks(
     # The modules as handed over, put back if our own code fails on them (inline_fallback).
     snapshot = inline_fallback.snapshot(fw_module, bw_module, inner_meta, ambient, found)
     try:
-        # A partition the partitioner patch may redo (its knapsack at the budget's fraction,
-        # where it beats the plan's floor or lossy storage): the modules take its graphs.
-        retry = compile_facts.take_partition_retry()
-        dropped = None if retry is None else retry.weigh(
-            fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, ambient
-        )
-        if dropped is not None:
+        # The partition the ambient budget plans (activation_budget.partition_choice): the
+        # default, or the partitioner's cheap recomputation or knapsack redone from its offer;
+        # the modules take its graphs.
+        offer = compile_facts.take_partition_offer()
+        choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms())
+        if offer is not None and ambient is not None:
+            trial = functools.partial(
+                inline_phases.trial_plans, num_inner_fwd_outputs=num_inner_fwd_outputs, inner_meta=inner_meta,
+                aot_config=aot_config, static_input_indices=static_input_indices, ambient=ambient,
+            )
+            choice = partition_choice.choose_partition(
+                offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial
+            )
             held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
         inline_phases.inline(
             fw_module,
@@ -144,7 +153,8 @@ def maybe_inline_graph_saved_tensors_hooks(
             static_input_indices,
             ambient,
             held,
-            dropped or [],
+            choice.recomputed,
+            choice.terms,
         )
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"

@@ -191,10 +191,10 @@ def fall_back(error: BaseException, hooks: str, fw_module: fx.GraphModule, resto
 
 def forget_partition_facts() -> None:
     """Drop what the partitioner patch told the inliner about this compilation's partition
-    (its ratio, its retry, its cap): the partition is upstream's own after all."""
+    (its offer): the partition is upstream's own after all."""
     found = compile_facts.facts()
     if found is not None:
-        found.partition_budget_ratio = found.partition_cheap_ratio = found.partition_retry = found.budget_cap = None
+        found.partition_offer = None
 
 
 def wants_fallback(error: BaseException) -> bool:

@@ -276,6 +276,8 @@ class _GraphPair:
     aot_config: Any
     static_input_indices: list[int]
     held: set[fx.Node]  # forward inputs the caller keeps alive (``activation_inputs``)
+    #: The partition choice's terms for the ambient budget's plan.
+    partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms()
 
     def __post_init__(self) -> None:
         fw_outs = list(self.fw_module.graph.output_node().args[0])
@@ -301,19 +303,22 @@ def inline(
     ambient: HookPair | None,
     held: set[fx.Node],
     recomputed_by_partitioner: list[records.SavedTensorRecord] = (),
+    partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms(),
 ) -> None:
     """Run the phases over the graph pair's saved tensors and rewrite both graphs; publish
     the records.  ``ambient``: the pair active around the compiled call (None: only in-graph
     scopes); ``held``: forward inputs the caller keeps alive (``activation_inputs``);
     ``recomputed_by_partitioner``: records of what the default partition saves and the one
-    taken recomputes (published with the others, for the log and ``report()``).  Every
+    taken recomputes (published with the others, for the log and ``report()``);
+    ``partition``: the partition choice's terms for the ambient budget's plan
+    (``activation_budget.partition_choice``).  Every
     hook is traced before either graph changes: a :class:`SavedTensorsHookError` leaves them
     as they were (the driver decides whether to fall back).
 
     The phases: :func:`_collect` (a record per saved tensor), :func:`_decide` (filter,
     select, alias, plan: each record's decision), :func:`_trace` (every hook traced) and
     :func:`_rewrite` (the packs and unpacks placed, both graphs rewired)."""
-    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held)
+    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held, partition)
     compiled = _collect(graphs, ambient)
     if compiled is None:
         return
@@ -400,6 +405,7 @@ def _prepare(
             records.input_source_name(ph, graphs.sources) or ph.name
             for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
         ),
+        graphs.partition,
     )
     return facts, allowed, inputs
 
@@ -422,18 +428,20 @@ def _decide(
 def trial_plans(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
+    partition: activation_budget.PartitionTerms,
+    *,
     num_inner_fwd_outputs: int,
     inner_meta: Any,
     aot_config: Any,
     static_input_indices: list[int],
     ambient: HookPair,
 ) -> tuple[list[activation_budget.Plan], list[records.SavedTensorRecord]]:
-    """The budget plans the phases would fit to this graph pair for the ``ambient`` pair,
-    with the step's peak each predicts, and the saved tensors' records; nothing traced,
-    written, published or warned (a partition weighed against another,
-    ``torch_patches._functorch.partitioners``)."""
+    """The budget plans the phases would fit to this graph pair for the ``ambient`` pair
+    under the partition choice's terms, with the step's peak each predicts, and the saved
+    tensors' records; nothing traced, written, published or warned (the partition choice's
+    trial: ``activation_budget.partition_choice``)."""
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
-    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held)
+    graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held, partition)
     compiled = _collect(graphs, ambient, publish=False)
     if compiled is None:
         return [], []

@@ -64,6 +64,27 @@ def nbytes_of(node: torch.fx.Node) -> int:
     return numel * val.element_size()
 
 
+def activation_bytes(values: list[Any], inputs: list[Any]) -> int:
+    """Bytes of the saved ``values`` that are not among the graph's ``inputs`` (what a
+    partition saves of the activations)."""
+    skip = set(inputs)
+    return sum(nbytes_of(node) for node in values if node not in skip)
+
+
+def mutated_inputs(graph: torch.fx.Graph) -> set[str]:
+    """The names of the graph's inputs it mutates (functionalized: ``copy_`` into them)."""
+    return {
+        n.args[0].name
+        for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+        if n.args[0].op == "placeholder"
+    }
+
+
+def device_of(nodes: Any) -> torch.device:
+    """The device of the first tensor among ``nodes``' values (the CPU if none)."""
+    return next((n.meta["val"].device for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+
+
 def is_incoming_gradient(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a backward graph's incoming gradient (AOTAutograd's
     ``tangents_*`` placeholders)."""

@@ -79,7 +79,10 @@ their fewest bytes, and what cannot be hooked.
 Modules:
 
 * :mod:`.planner` (the glue): :func:`plan` per budget pair, :func:`fit_plans` and
-  :func:`apply_plans` for a graph pair's facts (:class:`GraphFacts`, built once), :func:`option_hooks`, :func:`backward_span`;
+  :func:`apply_plans` for a graph pair's facts (:class:`GraphFacts`, built once; the partition choice's :class:`PartitionTerms` on them), :func:`option_hooks`, :func:`backward_span`;
+* :mod:`.partition_choice`: :func:`~.partition_choice.choose_partition`, which partition an
+  ambient budget plans (the partitioner's offer weighed against the plan; imported by the
+  inliner's driver, not here: it reads the records and the inliner's trial);
 * :mod:`.summary`: :func:`summarize` (a fitted plan into its ``BudgetPlanSummary``, the floor's
   warning and what holds it);
 * :mod:`.cost_model`: :class:`Rates`, :func:`options_for`, :func:`lossy_tolerance`, the
@@ -104,6 +107,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
 from torch_patches._functorch._aot_autograd.activation_budget.planner import (
     SOLVER,
     GraphFacts,
+    PartitionTerms,
     apply_plans,
     backward_span,
     fit_plans,
@@ -146,6 +150,7 @@ __all__ = [
     "Choice",
     "GraphFacts",
     "Option",
+    "PartitionTerms",
     "Plan",
     "Rates",
     "Recipe",

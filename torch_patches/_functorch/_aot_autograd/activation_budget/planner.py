@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookConfigError
-from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
     Rates,
@@ -35,6 +34,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     RECOMPUTE,
     Choice,
     Option,
+    PartitionTerms,
     Plan,
     Span,
     _on_hull,
@@ -85,6 +85,8 @@ class GraphFacts:
     saved_tensors: list[fx.Node]
     records: dict[fx.Node, SavedTensorRecord]
     autograd_inputs: tuple[str, ...] = ()
+    #: The partition choice's terms for the ambient budget's plan.
+    partition: PartitionTerms = PartitionTerms()
 
     @functools.cached_property
     def bounds(self) -> tuple[str, str]:
@@ -253,11 +255,11 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     unless a lossier one is faster by more than ``config.activation_budget_lossy_margin``;
     the floor where none meets it (:func:`_floor_plan`)."""
     choices, baseline = units.choices, units.baseline
-    # The partitioner's recomputation met an ambient budget (torch_patches/_functorch/
-    # partitioners.py): the budget is a fraction of the default partition's bytes (a
+    # The partition taken is the partitioner's own recomputation (activation_budget/
+    # partition_choice.py): the budget is a fraction of the default partition's bytes (a
     # partition that saves no activation meets any).
-    found = compile_facts.facts() if pair.label == "ambient" else None
-    ratio = found.partition_budget_ratio if found is not None else None
+    terms = facts.partition if pair.label == "ambient" else PartitionTerms()
+    ratio = terms.ratio
     if ratio is None:
         target = spec.target_bytes(baseline)
     else:
@@ -269,10 +271,10 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # hold more).
     backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
     # Fitted under what the partitioner's knapsack at the fraction holds, where that is less
-    # and the knapsack recomputes too slowly (partitioners.weigh_knapsack): at or below the
+    # and the knapsack recomputes too slowly (partition_choice._fit_under): at or below the
     # step's peak that activation_memory_budget gives.  Bounding the forward's end only, the
     # backward's points keep the fraction's bound.
-    cap, forward_end_only = (found.budget_cap if found is not None else None) or (None, False)
+    cap, forward_end_only = terms.cap or (None, False)
     capped = cap is not None and cap < target
     if capped:
         if forward_end_only and backward_bytes is None:
@@ -408,7 +410,7 @@ def fit_plans(candidates: list[SavedTensorRecord], facts: GraphFacts, trial: boo
     """The fitted plan of every budget pair among the ``candidates`` (the records of saved
     tensors with hooks, aliases marked): ``(pair, plan, the pair's packed records, their
     aliases -> root)``.  Nothing is written or warned (:func:`apply_plans` does); a
-    ``trial`` (a partition weighed against another, ``partitioners``) skips the report's
+    ``trial`` (a partition weighed against another, :mod:`.partition_choice`) skips the report's
     pareto."""
     fitted = []
     packed = [r for r in candidates if r.decision in (HOOKED, ALIAS)]
@@ -437,7 +439,7 @@ def apply_plans(candidates: list[SavedTensorRecord], facts: GraphFacts) -> tuple
     recomputed: dict[fx.Node, Recipe] = {}
     summaries = []
     for pair, result, mine, aliases in fit_plans(candidates, facts):
-        summaries.append(summarize(result, *facts.bounds))
+        summaries.append(summarize(result, *facts.bounds, partition=facts.partition if pair.label == "ambient" else None))
         chosen = {s: c.chosen.name for c in result.choices for s in c.members}
         recipes = {c.members[0]: c.recipe for c in result.choices if c.chosen.name == RECOMPUTE}
         recomputed |= recipes

@@ -37,6 +37,23 @@ _LOSS_PENALTY_MS = 1e6
 
 
 @dataclasses.dataclass(frozen=True)
+class PartitionTerms:
+    """What the partition choice (:mod:`.partition_choice`) tells an ambient budget's plan
+    about the partition it plans."""
+
+    #: What the partitioner's cheap recomputation saves, of the default partition's
+    #: activation bytes (reported with the plan's summary); None where nothing was offered.
+    cheap_ratio: float | None = None
+    #: Where the partition taken is the partitioner's own recomputation (cheap or knapsack):
+    #: what it saves of the default's bytes.  The budget is a fraction of the default's.
+    ratio: float | None = None
+    #: ``(bytes, forward's end only)``: the bound the plan is fitted under besides the
+    #: fraction's, where the partitioner's knapsack holds less than the plan but recomputes
+    #: too slowly (never above ``activation_memory_budget = F``).
+    cap: tuple[int, bool] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Option:
     name: str
     device_bytes: int

@@ -9,7 +9,7 @@ import warnings
 
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._errors import SavedTensorsHookWarning
-from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, Plan
+from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage, module_path
 
 
@@ -17,14 +17,16 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPl
 OFFLOADS = ("offload", "fp8+offload")
 
 
-def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "") -> BudgetPlanSummary:
+def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "", partition: PartitionTerms | None = None) -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
     budget, naming its floor and what holds it there.  ``bounded_at``, ``bounds_why``:
-    which points the budget bounds, and that and why in words (:attr:`GraphFacts.bounds`)."""
+    which points the budget bounds, and that and why in words (:attr:`GraphFacts.bounds`);
+    ``partition``: the partition choice's terms (:class:`~.planner.PartitionTerms`) for the
+    ambient budget's plan."""
     peak, point = result.peak
     floor, first = result.bounded
     found = compile_facts.facts() if result.label == "ambient" else None
-    cheap = found.partition_cheap_ratio if found is not None else None
+    cheap = partition.cheap_ratio if partition is not None else None
     units = tuple(
         PlannedStorage(
             tuple(n.name for n in c.members),
@@ -53,7 +55,7 @@ def summarize(result: Plan, bounded_at: str = "every_point", bounds_why: str = "
         estimated_ms=result.estimated_ms,
         units=units,
         partitioner_ratio=cheap,
-        partitioner_met=None if cheap is None else found.partition_budget_ratio is not None,
+        partitioner_met=None if cheap is None else partition.ratio is not None,
         pareto=getattr(result, "pareto", ()),
         floor_bytes=None if result.met else floor,
         floor_holders=tuple(text for _, text in holders),
