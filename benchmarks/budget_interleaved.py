@@ -18,8 +18,8 @@ import torch
 
 import torch_patches
 from torch_patches.bench import Case
-from torch_patches.testing.models import build_model, example_input
 from torch_patches.hooks import budget, fp8_rowwise
+from torch_patches.testing.models import build_model, example_input
 
 
 def main(model_name: str, fraction: float, steps: int) -> None:

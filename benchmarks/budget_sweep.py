@@ -50,7 +50,6 @@ from benchmarks.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
 from torch_patches.testing.models import CALLS
 
-
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -102,8 +101,7 @@ def plan_of(row: dict[str, Any], layers: int | None = None) -> dict[str, Any] | 
         # What the graphs save without hooks or budget: where the partitioner's cheap
         # recomputation met the budget, the plan's baseline is what it left saved.
         "baseline_bytes": sum(
-            p["baseline_bytes"] / p["partitioner_ratio"] if p.get("partitioner_met") else p["baseline_bytes"]
-            for p in plans
+            p["baseline_bytes"] / p["partitioner_ratio"] if p.get("partitioner_met") else p["baseline_bytes"] for p in plans
         ),
         "met": all(p["met"] for p in plans),
         "graphs_met": (sum(p["met"] for p in plans), len(plans)),
@@ -111,9 +109,7 @@ def plan_of(row: dict[str, Any], layers: int | None = None) -> dict[str, Any] | 
     }
 
 
-def summarize(
-    results: dict[str, dict[str, Any]], fractions: list[float], tolerance: float, layers: int | None = None
-) -> dict[str, Any]:
+def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolerance: float, layers: int | None = None) -> dict[str, Any]:
     """Per fraction: plan, the step peak it predicts, measured peaks and times as ratios to
     the row without hooks; then monotonicity, the fractions above stock (beyond
     ``tolerance``) and those whose planned peak is more than 10% off the measured one
@@ -125,37 +121,48 @@ def summarize(
         (op, oms), (sp, sms) = _step(ours), _step(stock)
         plan = plan_of(ours, layers)
         planned = plan["step_peak_bytes"] if plan else None
-        lines.append({
-            "planned_peak_bytes": planned,
-            "planned_peak": _ratio(planned, base_peak),
-            "planned_off": abs(planned - op) / op if planned is not None and op else None,
-            "fraction": f,
-            "plan_peak": plan["peak_bytes"] / plan["baseline_bytes"] if plan and plan["baseline_bytes"] else None,
-            "plan_met": plan["met"] if plan else None,
-            "graphs_met": plan["graphs_met"] if plan else None,
-            "floor": plan["holders"] if plan and not plan["met"] else [],
-            "ours_peak_bytes": op,
-            "stock_peak_bytes": sp,
-            "ours_peak": op / base_peak if op is not None and base_peak else None,
-            "stock_peak": sp / base_peak if sp is not None and base_peak else None,
-            "ours_time": oms / base_ms if oms is not None and base_ms else None,
-            "stock_time": sms / base_ms if sms is not None and base_ms else None,
-            "errors": [r["error"] for r in (ours, stock) if "error" in r],
-        })
+        lines.append(
+            {
+                "planned_peak_bytes": planned,
+                "planned_peak": _ratio(planned, base_peak),
+                "planned_off": abs(planned - op) / op if planned is not None and op else None,
+                "fraction": f,
+                "plan_peak": plan["peak_bytes"] / plan["baseline_bytes"] if plan and plan["baseline_bytes"] else None,
+                "plan_met": plan["met"] if plan else None,
+                "graphs_met": plan["graphs_met"] if plan else None,
+                "floor": plan["holders"] if plan and not plan["met"] else [],
+                "ours_peak_bytes": op,
+                "stock_peak_bytes": sp,
+                "ours_peak": op / base_peak if op is not None and base_peak else None,
+                "stock_peak": sp / base_peak if sp is not None and base_peak else None,
+                "ours_time": oms / base_ms if oms is not None and base_ms else None,
+                "stock_time": sms / base_ms if sms is not None and base_ms else None,
+                "errors": [r["error"] for r in (ours, stock) if "error" in r],
+            }
+        )
     measured = [(line["fraction"], line["ours_peak_bytes"]) for line in lines if line["ours_peak_bytes"] is not None]
     rises = [(a, b) for (a, pa), (b, pb) in zip(measured, measured[1:]) if pa > pb]  # lower F, higher peak
     above = [
-        line["fraction"] for line in lines
+        line["fraction"]
+        for line in lines
         if None not in (line["ours_peak_bytes"], line["stock_peak_bytes"])
         and line["ours_peak_bytes"] > (1 + tolerance) * line["stock_peak_bytes"]
     ]
     offload = [
         {"row": name, "peak": _ratio(_step(row)[0], base_peak), "time": _ratio(_step(row)[1], base_ms), "error": row.get("error")}
-        for name, row in results.items() if name in OFFLOAD_ROWS
+        for name, row in results.items()
+        if name in OFFLOAD_ROWS
     ]
     off = [line["fraction"] for line in lines if line["planned_off"] is not None and line["planned_off"] > PLANNED_TOLERANCE]
-    return {"base_peak_bytes": base_peak, "base_step_ms": base_ms, "lines": lines, "rises": rises, "above_stock": above,
-            "planned_off": off, "offload": offload}
+    return {
+        "base_peak_bytes": base_peak,
+        "base_step_ms": base_ms,
+        "lines": lines,
+        "rises": rises,
+        "above_stock": above,
+        "planned_off": off,
+        "offload": offload,
+    }
 
 
 #: How far a planned step peak may be from the measured one.
@@ -191,13 +198,17 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
         "budget(F) measured peak: "
         + ("never rises as F falls" if not rises else "rises from F=" + ", ".join(f"{a:g} to F={b:g}" for a, b in rises))
         + "; "
-        + (f"at or below stock's + {tolerance:.0%} at every F" if not summary["above_stock"]
-           else "above stock's + {:.0%} at F = {}".format(tolerance, ", ".join(f"{f:g}" for f in summary["above_stock"])))
+        + (
+            f"at or below stock's + {tolerance:.0%} at every F"
+            if not summary["above_stock"]
+            else "above stock's + {:.0%} at F = {}".format(tolerance, ", ".join(f"{f:g}" for f in summary["above_stock"]))
+        )
     )
     off = summary.get("planned_off")
     if off is not None:
         out.append(
-            f"planned peak within {PLANNED_TOLERANCE:.0%} of the measured one at every F" if not off
+            f"planned peak within {PLANNED_TOLERANCE:.0%} of the measured one at every F"
+            if not off
             else "planned peak more than {:.0%} off the measured one at F = {}".format(PLANNED_TOLERANCE, ", ".join(f"{f:g}" for f in off))
         )
     floors = {tuple(line["floor"]) for line in summary["lines"] if line["floor"]}
@@ -207,8 +218,9 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
         for error in line["errors"]:
             out.append(f"F={line['fraction']:g}: error: {error}")
     for row in summary.get("offload", ()):
-        out.append(f"{row['row']}: " + (f"error: {row['error']}" if row["error"]
-                   else f"peak x {_x(row['peak'])}, time x {_x(row['time'])}"))
+        out.append(
+            f"{row['row']}: " + (f"error: {row['error']}" if row["error"] else f"peak x {_x(row['peak'])}, time x {_x(row['time'])}")
+        )
     return "\n".join(out)
 
 
@@ -228,14 +240,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tolerance", type=float, default=0.02, help="how far above stock's peak counts as above")
-    parser.add_argument("--compile-per", choices=("model", "layer"), default="model",
-                        help="one torch.compile of the model, or of each decoder layer (as FSDP2 / torchtitan)")
-    parser.add_argument("--bounds", choices=("auto", "every_point", "forward_end"), default="auto",
-                        help="torch_patches.config.activation_budget_bounds for the budget rows")
-    parser.add_argument("--call", choices=CALLS, default="bench",
-                        help="bench: the loss inside what is compiled, KV cache off; hf_default: as HF Trainer "
-                        "calls the model (labels=, KV cache at its default), the HF model compiled; torchtitan: "
-                        "the model returns its logits and the loss is compiled apart")
+    parser.add_argument(
+        "--compile-per",
+        choices=("model", "layer"),
+        default="model",
+        help="one torch.compile of the model, or of each decoder layer (as FSDP2 / torchtitan)",
+    )
+    parser.add_argument(
+        "--bounds",
+        choices=("auto", "every_point", "forward_end"),
+        default="auto",
+        help="torch_patches.config.activation_budget_bounds for the budget rows",
+    )
+    parser.add_argument(
+        "--call",
+        choices=CALLS,
+        default="bench",
+        help="bench: the loss inside what is compiled, KV cache off; hf_default: as HF Trainer "
+        "calls the model (labels=, KV cache at its default), the HF model compiled; torchtitan: "
+        "the model returns its logits and the loss is compiled apart",
+    )
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
     args = parser.parse_args(argv)
 
@@ -249,12 +273,28 @@ def main(argv: list[str] | None = None) -> int:
     vocabs = [int(v) for v in args.vocab.split(",") if v]
     out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "sweeps": {}}
     for vocab in vocabs:
-        sizes = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, batch=args.batch, vocab=vocab,
-                     steps=args.steps, eval_every=args.steps, eval_batches=1, backend=args.backend, device=args.device,
-                     compile_per=args.compile_per, budget_bounds=args.bounds, call=args.call)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
-              f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-              f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}", flush=True)
+        sizes = dict(
+            layers=args.layers,
+            dim=args.dim,
+            heads=args.heads,
+            seq=args.seq,
+            batch=args.batch,
+            vocab=vocab,
+            steps=args.steps,
+            eval_every=args.steps,
+            eval_batches=1,
+            backend=args.backend,
+            device=args.device,
+            compile_per=args.compile_per,
+            budget_bounds=args.bounds,
+            call=args.call,
+        )
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
+            f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
+            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}",
+            flush=True,
+        )
         sweep = out["sweeps"][str(vocab)] = {"sizes": sizes, "models": {}}
         for model in [m for m in args.models.split(",") if m]:
             cfg = TrainConfig(model=model, **sizes)

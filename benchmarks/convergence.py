@@ -59,7 +59,6 @@ from benchmarks import worker_env
 from benchmarks.convergence_report import format_table, plot, summarize
 from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
 
-
 #: The rows of a default run.
 DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
 #: The ready-made hooks a row may name.
@@ -225,7 +224,7 @@ class Row:
         return self.compiled and self.amb is None
 
     @staticmethod
-    def parse(name: str) -> "Row":
+    def parse(name: str) -> Row:
         if name in ("eager", "compiled"):
             return Row(name, compiled=name == "compiled")
         if name in OFFLOAD_ROWS:
@@ -245,8 +244,7 @@ class Row:
         for item in filter(None, (match.group(3) or "").split(",")):
             key, _, value = item.partition("=")
             kwargs.append((key.strip(), _argument(value.strip())))
-        return Row(name, compiled=match.group(1) is None, hook=match.group(2), kwargs=tuple(kwargs),
-                   where_all=match.group(4) is not None)
+        return Row(name, compiled=match.group(1) is None, hook=match.group(2), kwargs=tuple(kwargs), where_all=match.group(4) is not None)
 
     def hooks(self) -> tuple[Any, Any] | None:
         import torch
@@ -259,6 +257,7 @@ class Row:
             return None
         if self.hook in OFFLOAD_ROWS:
             return OFFLOAD_ROWS[self.hook]()
+
         def value(v: Any) -> Any:
             if isinstance(v, str) and v in HOOKS:
                 return getattr(library, v)()
@@ -402,7 +401,10 @@ def run_in_subprocess(
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # every row compiles with its own cache
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.convergence", "--worker", payload],
-            capture_output=True, text=True, env=env, timeout=timeout,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
         )
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
@@ -450,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             kind = _flag if isinstance(value, bool) else type(value)
             parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=value)
     parser.add_argument(
-        "--allowlist", type=json.loads, default=None,
-        help='entries over the numerics allowlist (JSON, as torch_patches.config.numerics_allowlist)',
+        "--allowlist",
+        type=json.loads,
+        default=None,
+        help="entries over the numerics allowlist (JSON, as torch_patches.config.numerics_allowlist)",
     )
     parser.add_argument("--json", default="bench-results/train.json")
     parser.add_argument("--png", default="bench-results/train.png")
@@ -472,9 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"}
     configs = [TrainConfig(model=m, **sizes) for m in args.models.split(",") if m]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; seeds {seeds}; "
-          f"{sizes['steps']} steps of {sizes['batch']} x {sizes['seq']} bytes; backend {sizes['backend']}",
-          flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; seeds {seeds}; "
+        f"{sizes['steps']} steps of {sizes['batch']} x {sizes['seq']} bytes; backend {sizes['backend']}",
+        flush=True,
+    )
     all_results = []
     for cfg in configs:
         results = []
@@ -487,13 +493,14 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(cfg, summarize(results)), flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"torch": torch.__version__, "seeds": seeds,
-                   "configs": [dataclasses.asdict(c) for c in configs], "results": all_results}, f)
+        json.dump(
+            {"torch": torch.__version__, "seeds": seeds, "configs": [dataclasses.asdict(c) for c in configs], "results": all_results}, f
+        )
     print(f"\nresults written to {args.json}")
     if plot(configs, all_results, args.png):
         print(f"eval-loss differences written to {args.png}")
     else:
-        print("no loss curves: matplotlib is not installed (pip install -e \".[bench]\")")
+        print('no loss curves: matplotlib is not installed (pip install -e ".[bench]")')
     failed = any("error" in r for results in all_results for r in results)
     return 1 if failed else 0
 

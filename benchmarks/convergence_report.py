@@ -63,8 +63,7 @@ def summarize(results: list[dict[str, Any]], reference: str = "compiled") -> lis
 
 def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
     """The table of one model (``cfg``: its ``convergence.TrainConfig``)."""
-    head = (f"| {cfg.model} | train loss | eval loss | eval vs compiled (mean [min, max]) "
-            f"| peak MiB | peak x | step ms | time x |")
+    head = f"| {cfg.model} | train loss | eval loss | eval vs compiled (mean [min, max]) | peak MiB | peak x | step ms | time x |"
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
@@ -101,10 +100,7 @@ def eval_differences(rows: list[dict[str, Any]], reference: str = "compiled") ->
         points = min(min(len(r["seeds"][s]["eval"]), len(ref["seeds"][s]["eval"])) for s in seeds)
         curve: dict[str, list[float]] = {"steps": [], "mean": [], "low": [], "high": []}
         for i in range(points):
-            diffs = [
-                100 * (r["seeds"][s]["eval"][i][1] - ref["seeds"][s]["eval"][i][1]) / ref["seeds"][s]["eval"][i][1]
-                for s in seeds
-            ]
+            diffs = [100 * (r["seeds"][s]["eval"][i][1] - ref["seeds"][s]["eval"][i][1]) / ref["seeds"][s]["eval"][i][1] for s in seeds]
             curve["steps"].append(ref["seeds"][seeds[0]]["eval"][i][0])
             curve["mean"].append(statistics.fmean(diffs))
             curve["low"].append(min(diffs))
@@ -124,9 +120,7 @@ def plot(configs: list[Any], results: list[list[dict[str, Any]]], path: str, ref
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(
-        2, len(configs), figsize=(6.5 * len(configs), 7), squeeze=False, gridspec_kw={"height_ratios": [2.2, 1]}
-    )
+    fig, axes = plt.subplots(2, len(configs), figsize=(6.5 * len(configs), 7), squeeze=False, gridspec_kw={"height_ratios": [2.2, 1]})
     for col, (cfg, rows) in enumerate(zip(configs, results)):
         top, bottom = axes[0][col], axes[1][col]
         seeds = len(next((r for r in rows if "seeds" in r), {}).get("seeds", {}))

@@ -48,11 +48,12 @@ import torch_patches
 import torch_patches.hooks
 from torch_patches.bench import Case
 from torch_patches.bench.measure import saved_bytes_by_device
-from torch_patches.testing.models import build_model, causal_lm_loss, compile_per_layer, hf_llama
 from torch_patches.hooks import chain, cpu_offload, fp8_rowwise
 from torch_patches.testing import saved_tensor_records
+from torch_patches.testing.models import build_model, causal_lm_loss, compile_per_layer, hf_llama
 
 MiB = 2**20
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -136,9 +137,7 @@ ROWS: dict[str, Row] = {
 #: Named sets of rows (``--rows``): the diagnosis of the offload path, the GPU table.
 ROW_SETS = {
     "diagnose": "no-hooks,offload,offload-no-reorder,offload-aot-eager,fp8+offload",
-    "table": ",".join(
-        r for r in ROWS if r not in ("offload-no-reorder", "offload-aot-eager") and not r.endswith(("-llama1b", "-tall"))
-    ),
+    "table": ",".join(r for r in ROWS if r not in ("offload-no-reorder", "offload-aot-eager") and not r.endswith(("-llama1b", "-tall"))),
     "tall": ",".join(r for r in ROWS if r.endswith("-tall")),
     "llama": ",".join(r for r in ROWS if r.endswith("-llama1b")),
 }
@@ -182,8 +181,10 @@ def analyse_history(snapshot: dict[str, Any], code_files: dict[str, str], log: A
         elif e["action"] == "free_requested":
             if live.pop(e["addr"], None) is not None:
                 current -= e["size"]
-    log(f"history: {len(trace)} entries {dict(actions)}; peak of the step's own allocations "
-        f"{peak / MiB:.0f} MiB at entry {max((b['index'] for b in at_peak.values()), default=-1)}")
+    log(
+        f"history: {len(trace)} entries {dict(actions)}; peak of the step's own allocations "
+        f"{peak / MiB:.0f} MiB at entry {max((b['index'] for b in at_peak.values()), default=-1)}"
+    )
     by_origin: dict[str, int] = collections.Counter()
     blocks = sorted(at_peak.values(), key=lambda b: -b["size"])
     for b in blocks:
@@ -205,7 +206,7 @@ ORDER_RE = re.compile(r"saved_tensors_hooks\.(offload|reload_start|reload_wait)|
 
 def code_order(code: str, limit: int) -> list[str]:
     """The lines of the generated ``call`` that place, free and reload saved tensors."""
-    body = code[code.index("def call("):] if "def call(" in code else code
+    body = code[code.index("def call(") :] if "def call(" in code else code
     out = []
     for line in body.splitlines():
         s = line.strip()
@@ -214,7 +215,7 @@ def code_order(code: str, limit: int) -> list[str]:
         if s.startswith("return"):
             break
     if len(out) > limit:
-        out = out[: limit // 2] + [f"... ({len(out) - limit} lines)"] + out[-limit // 2:]
+        out = out[: limit // 2] + [f"... ({len(out) - limit} lines)"] + out[-limit // 2 :]
     return out
 
 
@@ -240,14 +241,18 @@ def plans_of(compiled: Any) -> list[dict[str, Any]]:
     """The budget plans of the compiled graphs (one per graph): what each planned."""
     return [
         {
-            "met": p.met, "bounds": p.bounds, "preference": p.preference,
+            "met": p.met,
+            "bounds": p.bounds,
+            "preference": p.preference,
             "planned_x": round(p.planned_bytes / max(p.baseline_bytes, 1), 3),
             "peak_x": round(p.peak_bytes / max(p.baseline_bytes, 1), 3),
             "options": dict(collections.Counter(u.option for u in p.units)),
-            "copy_ms": round(p.copy_ms, 3), "copy_exposed_ms": round(p.copy_exposed_ms, 3),
+            "copy_ms": round(p.copy_ms, 3),
+            "copy_exposed_ms": round(p.copy_exposed_ms, 3),
             "ahead_MiB": round(p.ahead_bytes / MiB, 1),
         }
-        for c in compiled for p in c.plans
+        for c in compiled
+        for p in c.plans
     ]
 
 

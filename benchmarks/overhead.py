@@ -43,13 +43,16 @@ from typing import Any
 from benchmarks import worker_env
 from torch_patches.testing.models import hf_llama
 
-
 MODES = ("stock", "stock-pair", "ours", "ours-pair", "ours-bf16", "ours-recreated", "ours-scaled", "ours-budget")
 SHAPES = ("per-block", "graph-breaks", "llama")
 #: The row each row's ratio is taken against.
 REFERENCE = {
-    "ours": "stock", "ours-budget": "stock",
-    "ours-pair": "stock-pair", "ours-bf16": "stock-pair", "ours-recreated": "stock-pair", "ours-scaled": "stock-pair",
+    "ours": "stock",
+    "ours-budget": "stock",
+    "ours-pair": "stock-pair",
+    "ours-bf16": "stock-pair",
+    "ours-recreated": "stock-pair",
+    "ours-scaled": "stock-pair",
 }
 
 
@@ -66,10 +69,7 @@ def _gm_pair() -> tuple[Any, Any]:
 def _blocks(n: int, width: int, device: str) -> list[Any]:
     import torch
 
-    return [
-        torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width)).to(device)
-        for _ in range(n)
-    ]
+    return [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width)).to(device) for _ in range(n)]
 
 
 def _build(shape: str, args: dict[str, Any]) -> tuple[Any, Any]:
@@ -204,7 +204,10 @@ def measure(shape: str, mode: str, args: dict[str, Any]) -> dict[str, Any]:
 def _run_worker(shape: str, mode: str, args: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.overhead", "--worker", json.dumps([shape, mode, args])],
-        capture_output=True, text=True, env=worker_env(), timeout=1200,
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=1200,
     )
     if proc.returncode != 0:
         return {"shape": shape, "mode": mode, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
@@ -218,8 +221,11 @@ def run(shapes: list[str], modes: list[str], args: dict[str, Any], rounds: int) 
         for shape in shapes:
             for mode in modes:
                 row = _run_worker(shape, mode, args)
-                print(f"  round {r + 1}/{rounds} {shape:12s} {mode:15s} "
-                      + (f"{row['step_ms']:.2f} ms" if "step_ms" in row else row.get("error", "")), file=sys.stderr)
+                print(
+                    f"  round {r + 1}/{rounds} {shape:12s} {mode:15s} "
+                    + (f"{row['step_ms']:.2f} ms" if "step_ms" in row else row.get("error", "")),
+                    file=sys.stderr,
+                )
                 runs.setdefault((shape, mode), []).append(row)
     rows = []
     for (shape, mode), found in runs.items():
@@ -286,11 +292,16 @@ def main(argv: list[str] | None = None) -> int:
             shapes.remove("llama")
     common = dict(
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-        blocks=args.blocks, width=args.width, batch=args.batch, steps=args.steps,
+        blocks=args.blocks,
+        width=args.width,
+        batch=args.batch,
+        steps=args.steps,
     )
     rows = run(shapes, modes, common, args.rounds)
-    print(f"torch {torch.__version__}, device {common['device']}, {args.blocks} blocks x {args.width} wide, "
-          f"batch {args.batch}, median of {args.steps} steps, {args.rounds} rounds")
+    print(
+        f"torch {torch.__version__}, device {common['device']}, {args.blocks} blocks x {args.width} wide, "
+        f"batch {args.batch}, median of {args.steps} steps, {args.rounds} rounds"
+    )
     print(format_rows(rows))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

@@ -164,7 +164,7 @@ def run_in_one_fresh_process(runs, package_root=None):
     )
     if proc.returncode != 0:
         return proc, None
-    results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]]
+    results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs) :]]
     for result in results:
         result["grads"] = [torch.tensor(g).view(8, 8) for g in result["grads"]]
     return proc, results

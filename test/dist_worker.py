@@ -133,9 +133,7 @@ def main():
     spec = json.loads(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.start_processes(
-            rank_main, args=(2, os.path.join(tmp, "store"), spec, out), nprocs=2, start_method="spawn"
-        )
+        mp.start_processes(rank_main, args=(2, os.path.join(tmp, "store"), spec, out), nprocs=2, start_method="spawn")
         results = [torch.load(f"{out}.{r}") for r in range(2)]
     print(json.dumps(results))
 

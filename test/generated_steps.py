@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-
 # ------------------------------------------------------------------------ choices
 
 
@@ -310,9 +309,7 @@ def _execute(stmts: tuple[tuple[Any, ...], ...], pool: list[torch.Tensor], param
             out = t.detach() if stmt[1] == "detach" else t.t().contiguous() if stmt[1] == "t_contiguous" else t.clone()
         else:
             _, form, inputs, body = stmt
-            out = checkpoint(
-                functools.partial(_region, body, params, eager), *[pool[i] for i in inputs], **checkpoint_kwargs(form, eager)
-            )
+            out = checkpoint(functools.partial(_region, body, params, eager), *[pool[i] for i in inputs], **checkpoint_kwargs(form, eager))
         pool.append(out)
 
 
@@ -354,8 +351,18 @@ def leaves(params: dict[str, Any]) -> list[torch.Tensor]:
 
 #: Per statement kind, the positions of its arguments that are pool slots.
 _SLOTS = {
-    "linear": (1,), "unary": (2,), "binary": (2, 3), "view": (2,), "inplace": (2, 3), "multi": (2,),
-    "mask": (2, 3), "nograd": (2,), "dropout": (1,), "break": (1,), "buffer": (1,), "function": (1, 2),
+    "linear": (1,),
+    "unary": (2,),
+    "binary": (2, 3),
+    "view": (2,),
+    "inplace": (2, 3),
+    "multi": (2,),
+    "mask": (2, 3),
+    "nograd": (2,),
+    "dropout": (1,),
+    "break": (1,),
+    "buffer": (1,),
+    "function": (1, 2),
     "detach": (2,),
 }
 

@@ -4,7 +4,6 @@ import os
 import sys
 import types
 
-
 SCALE = 1.0
 
 nested = types.SimpleNamespace(inner=types.SimpleNamespace(scale=1.0))

@@ -18,13 +18,12 @@ import os
 import types
 from collections.abc import Callable
 
+import identity_cfg  # a plain module whose attributes hooks read
+import identity_imported  # imported again inside a hook's body
 import torch
 import torch.fx
 
-import identity_cfg  # a plain module whose attributes hooks read
-import identity_imported  # imported again inside a hook's body
 from torch_patches.hooks import inlineable
-
 
 VALUES = (1.0, 2.0, 3.0)
 
@@ -284,12 +283,8 @@ KINDS = {
         lambda v: setattr(Scaler, "forward", _FORWARDS[v]),
         _marked(_nn_forward_unpack),
     ),
-    "called_function_code": Kind(
-        lambda v: setattr(helper, "__code__", _CODES[v]), _marked(_function_code_unpack)
-    ),
-    "default_argument": Kind(
-        lambda v: setattr(_default_unpack, "__defaults__", (v,)), _marked(_default_unpack)
-    ),
+    "called_function_code": Kind(lambda v: setattr(helper, "__code__", _CODES[v]), _marked(_function_code_unpack)),
+    "default_argument": Kind(lambda v: setattr(_default_unpack, "__defaults__", (v,)), _marked(_default_unpack)),
     "small_tensor_inplace": Kind(_fill(SMALL), _marked(_small_tensor_unpack), lifted=True),
     "big_tensor_inplace": Kind(_fill(BIG), _marked(_big_tensor_unpack), outcome="b", lifted=True),
     "partial": Kind(
@@ -308,15 +303,9 @@ KINDS = {
         lambda v: _gm_s.__setitem__("s", v),
         lambda: (torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(_GmUnpack(_gm_s["s"]))),
     ),
-    "fx_wrap_leaf_code": Kind(
-        lambda v: setattr(leaf_scale, "__code__", _CODES[v]), _gm_leaf_hooks
-    ),
-    "computed_attribute_name": Kind(
-        _setter(identity_cfg, "DYNAMIC_SCALE"), _marked(identity_cfg.computed_getattr_unpack)
-    ),
-    "module_imported_in_body": Kind(
-        _setter(identity_imported, "SCALE"), _marked(identity_cfg.imported_in_body_unpack)
-    ),
+    "fx_wrap_leaf_code": Kind(lambda v: setattr(leaf_scale, "__code__", _CODES[v]), _gm_leaf_hooks),
+    "computed_attribute_name": Kind(_setter(identity_cfg, "DYNAMIC_SCALE"), _marked(identity_cfg.computed_getattr_unpack)),
+    "module_imported_in_body": Kind(_setter(identity_imported, "SCALE"), _marked(identity_cfg.imported_in_body_unpack)),
     "environ": Kind(_set_environ, _marked(identity_cfg.environ_unpack)),
     "getenv": Kind(_set_environ, _marked(identity_cfg.getenv_unpack)),
 }

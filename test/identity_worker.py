@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import identity_deps  # noqa: E402
 import torch  # noqa: E402
 
-import identity_deps  # noqa: E402
 # upstream: not exported
 import torch_patches  # noqa: E402
 

@@ -105,9 +105,7 @@ class TestActivationInputs(TestCase):
                     hooked, _ = self.compile_block(device, x, bf16(where=None), fn=fn)
                 self.assertEqual(hooked, {}, name)
         torch._dynamo.reset()
-        hooked, placeholders = self.compile_block(
-            device, self.activation(device, (8, 64)), bf16(where=None), fn=saves_input
-        )
+        hooked, placeholders = self.compile_block(device, self.activation(device, (8, 64)), bf16(where=None), fn=saves_input)
         (x_name,) = placeholders
         self.assertEqual(hooked, {x_name: x_name})
 
@@ -178,10 +176,7 @@ class TestDistributed(TestCase):
 
         def err(run, ref):
             got, want = ranks[0][run]["grads"], ranks[0][ref]["grads"]
-            return max(
-                ((torch.tensor(g) - torch.tensor(w)).norm() / torch.tensor(w).norm()).item()
-                for g, w in zip(got, want)
-            )
+            return max(((torch.tensor(g) - torch.tensor(w)).norm() / torch.tensor(w).norm()).item() for g, w in zip(got, want))
 
         # The harness: the distributed eager step is the single-process one.
         self.assertLess(err("eager", "reference_eager"), 1e-5)

@@ -34,10 +34,10 @@ from torch_patches.bench import parse_fractions
 from torch_patches.bench.case import Case
 from torch_patches.bench.decisions import recording_decisions
 from torch_patches.bench.measure import block_working_set, recording_pack, saved_bytes, tensor_bytes
-from torch_patches.testing.models import blocks_of, build_model, example_input
 from torch_patches.bench.report import add_ratios, format_table
 from torch_patches.bench.run import COMPOSED_HOOKS, cases_for, cast_hooks
 from torch_patches.testing import TestCase
+from torch_patches.testing.models import blocks_of, build_model, example_input
 
 
 class TestBench(unittest.TestCase):
@@ -47,12 +47,31 @@ class TestBench(unittest.TestCase):
             out = os.path.join(tmp, "bench.json")
             proc = subprocess.run(
                 [
-                    sys.executable, "-m", "torch_patches", "bench", "--device", "cpu", "--small",
-                    "--models", "mlp8,transformer", "--backends", "aot_eager",
-                    "--hooks", "cpu_offload", "--blocks", "1", "--steps", "1",
-                    "--batch", "128", "--json", out,
+                    sys.executable,
+                    "-m",
+                    "torch_patches",
+                    "bench",
+                    "--device",
+                    "cpu",
+                    "--small",
+                    "--models",
+                    "mlp8,transformer",
+                    "--backends",
+                    "aot_eager",
+                    "--hooks",
+                    "cpu_offload",
+                    "--blocks",
+                    "1",
+                    "--steps",
+                    "1",
+                    "--batch",
+                    "128",
+                    "--json",
+                    out,
                 ],
-                capture_output=True, text=True, timeout=300,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(out) as f:
@@ -62,16 +81,14 @@ class TestBench(unittest.TestCase):
         expected = [
             f"{m} aot_eager {h} {mode}"
             for m in ("mlp8", "transformer")
-            for h, mode in (("-", "no-hooks"), ("cpu_offload", "eager-hooks"),
-                            ("cpu_offload", "stock-inline"), ("cpu_offload", "ours"))
+            for h, mode in (("-", "no-hooks"), ("cpu_offload", "eager-hooks"), ("cpu_offload", "stock-inline"), ("cpu_offload", "ours"))
         ]
         self.assertEqual(labels, expected)
         for r in results:
             with self.subTest(r["label"]):
                 self.assertNotIn("error", r)
 
-                for key in ("peak_bytes", "step_s", "step_min_s", "compile_s", "peak_ratio",
-                            "time_ratio", "time_ratio_min", "saved_bytes"):
+                for key in ("peak_bytes", "step_s", "step_min_s", "compile_s", "peak_ratio", "time_ratio", "time_ratio_min", "saved_bytes"):
                     self.assertTrue(math.isfinite(r[key]), f"{key}={r[key]}")
                 self.assertEqual(r["frames_compiled"], 1)
         self.assertIn("fp8_rowwise+cpu_offload", COMPOSED_HOOKS)
@@ -86,11 +103,33 @@ class TestBench(unittest.TestCase):
             out = os.path.join(tmp, "bench.json")
             proc = subprocess.run(
                 [
-                    sys.executable, "-m", "torch_patches", "bench", "--device", "cpu", "--small",
-                    "--models", "mlp8", "--backends", "aot_eager", "--hooks", "", "--budget", "0.5",
-                    "--blocks", "2", "--steps", "1", "--batch", "128", "--json", out,
+                    sys.executable,
+                    "-m",
+                    "torch_patches",
+                    "bench",
+                    "--device",
+                    "cpu",
+                    "--small",
+                    "--models",
+                    "mlp8",
+                    "--backends",
+                    "aot_eager",
+                    "--hooks",
+                    "",
+                    "--budget",
+                    "0.5",
+                    "--blocks",
+                    "2",
+                    "--steps",
+                    "1",
+                    "--batch",
+                    "128",
+                    "--json",
+                    out,
                 ],
-                capture_output=True, text=True, timeout=300,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(out) as f:
@@ -111,9 +150,7 @@ class TestBench(unittest.TestCase):
         self.assertEqual(ours["plan_graphs"], 1)
         self.assertGreater(ours["plan_bytes"], 0)
         self.assertEqual(ours["block_ws_bytes"], 40 * 128 * 32)  # see test_block_working_set
-        self.assertEqual(
-            ours["floor_bytes"], ours["peak_bytes"] - (ours["grad_bytes"] + ours["plan_bytes"] + ours["block_ws_bytes"])
-        )
+        self.assertEqual(ours["floor_bytes"], ours["peak_bytes"] - (ours["grad_bytes"] + ours["plan_bytes"] + ours["block_ws_bytes"]))
         self.assertIsNone(stock["plan_bytes"])
         self.assertIn("amb 0.5", proc.stdout)
 
@@ -192,15 +229,17 @@ class TestBudgetRows(TestCase):
         self.assertEqual(Case(mode="budget", budget=0.5).label, "mlp8 aot_eager budget 0.5 budget")
         self.assertEqual(Case(mode="stock-budget", budget=0.5).label, "mlp8 aot_eager amb 0.5 stock-budget")
         self.assertEqual(Case(mode="no-hooks").label, "mlp8 aot_eager - no-hooks")
-        for kwargs in (dict(mode="budget"), dict(mode="ours", budget=0.5), dict(mode="budget", budget=1.5),
-                       dict(mode="stock-budget", budget=0.0)):
+        for kwargs in (
+            dict(mode="budget"),
+            dict(mode="ours", budget=0.5),
+            dict(mode="budget", budget=1.5),
+            dict(mode="stock-budget", budget=0.0),
+        ):
             with self.subTest(**kwargs), self.assertRaises(ValueError):
                 Case(**kwargs)
 
     def test_cases_for(self) -> None:
-        cases = cases_for(
-            models=["mlp8"], backends=["aot_eager"], hooks=["fp8_rowwise"], modes=["ours"], budgets=[0.3, 0.7], steps=2
-        )
+        cases = cases_for(models=["mlp8"], backends=["aot_eager"], hooks=["fp8_rowwise"], modes=["ours"], budgets=[0.3, 0.7], steps=2)
         self.assertEqual(
             [c.label for c in cases],
             [
@@ -262,9 +301,17 @@ class TestBudgetRows(TestCase):
         def row(mode: str, budget: float | None, peak: int, step_s: float, saved: int, **extra: object) -> dict:
             case = Case(mode=mode, budget=budget, hook="-" if budget else "bf16")
             return {
-                "case": dataclasses.asdict(case), "label": case.label, "peak_bytes": peak, "step_s": step_s,
-                "step_min_s": step_s, "compile_s": 1.0, "frames_compiled": 1, "kept_bytes": None,
-                "saved_bytes": saved, "plan_bytes": None, **extra,
+                "case": dataclasses.asdict(case),
+                "label": case.label,
+                "peak_bytes": peak,
+                "step_s": step_s,
+                "step_min_s": step_s,
+                "compile_s": 1.0,
+                "frames_compiled": 1,
+                "kept_bytes": None,
+                "saved_bytes": saved,
+                "plan_bytes": None,
+                **extra,
             }
 
         mib = 2**20

@@ -55,10 +55,27 @@ class TestOverheadBench(TestCase):
             path = os.path.join(out, "overhead.json")
             shapes = "per-block,graph-breaks,llama" if _has("transformers") else "per-block,graph-breaks"
             proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.overhead", "--shapes", shapes,
-                 "--modes", "stock,ours-bf16,ours-scaled", "--blocks", "2", "--steps", "3", "--rounds", "1",
-                 "--json", path],
-                capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.overhead",
+                    "--shapes",
+                    shapes,
+                    "--modes",
+                    "stock,ours-bf16,ours-scaled",
+                    "--blocks",
+                    "2",
+                    "--steps",
+                    "3",
+                    "--rounds",
+                    "1",
+                    "--json",
+                    path,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+                cwd=ROOT,
             )
             self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
             with open(path) as f:
@@ -83,8 +100,14 @@ class TestBudgetSweep(TestCase):
 
     @staticmethod
     def plan(peak, baseline, met, holders=(), ratio=None):
-        return {"peak_bytes": peak, "baseline_bytes": baseline, "met": met, "floor_holders": list(holders),
-                "partitioner_ratio": ratio, "partitioner_met": None if ratio is None else True}
+        return {
+            "peak_bytes": peak,
+            "baseline_bytes": baseline,
+            "met": met,
+            "floor_holders": list(holders),
+            "partitioner_ratio": ratio,
+            "partitioner_met": None if ratio is None else True,
+        }
 
     def results(self, ours, stock, plans):
         out = {"compiled": self.row(1000)}
@@ -100,8 +123,9 @@ class TestBudgetSweep(TestCase):
             # The partitioner's recomputation met it: the plan's baseline is what it left.
             0.9: [self.plan(450, 500, True, ratio=0.5)],
         }
-        summary = budget_sweep.summarize(self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans),
-                                         [0.1, 0.5, 0.9], 0.02)
+        summary = budget_sweep.summarize(
+            self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans), [0.1, 0.5, 0.9], 0.02
+        )
         lines = {line["fraction"]: line for line in summary["lines"]}
         self.assertEqual([lines[f]["ours_peak"] for f in (0.1, 0.5, 0.9)], [0.5, 0.6, 0.55])
         self.assertEqual(lines[0.9]["plan_peak"], 0.45)
@@ -115,8 +139,9 @@ class TestBudgetSweep(TestCase):
         self.assertIn("floor held by: logits 64 MiB in use there at full size", table)
         # A model compiled to two graphs whose loss graph cannot meet it says so.
         plans[0.5].append(self.plan(100, 100, False, ["logits 1 MiB kept exact"]))
-        mixed = budget_sweep.summarize(self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans),
-                                       [0.1, 0.5, 0.9], 0.02)
+        mixed = budget_sweep.summarize(
+            self.results({0.1: 500, 0.5: 600, 0.9: 550}, {0.1: 700, 0.5: 580, 0.9: 900}, plans), [0.1, 0.5, 0.9], 0.02
+        )
         self.assertIn("| 0.5 | 0.55 | met in 1 of 2 graphs |", budget_sweep.format_table(mixed, 0.02))
 
     def test_monotonic_and_below_stock_say_so(self) -> None:
@@ -130,8 +155,7 @@ class TestBudgetSweep(TestCase):
         # most it holds in its backward with its own tensors (predicted_peak_bytes). The step
         # holds every call's saved bytes and one backward's extra on top.
         def plan(planned, predicted, compile_id):
-            return {**self.plan(planned, 1000, True), "planned_bytes": planned, "predicted_peak_bytes": predicted,
-                    "compile_id": compile_id}
+            return {**self.plan(planned, 1000, True), "planned_bytes": planned, "predicted_peak_bytes": predicted, "compile_id": compile_id}
 
         whole = [plan(100, 400, "0/0")]
         self.assertEqual(budget_sweep.call_order(whole, None), [0])
@@ -161,8 +185,7 @@ class TestBudgetSweep(TestCase):
         # Where the device has a copy engine the sweep also runs cpu_offload() and fp8 +
         # offload; their peaks and times are ratios to the row without hooks.
         plans = {0.5: [self.plan(100, 1000, True)]}
-        results = {**self.results({0.5: 400}, {0.5: 450}, plans), "offload": self.row(250, 105.0),
-                   "fp8+offload": {"error": "boom"}}
+        results = {**self.results({0.5: 400}, {0.5: 450}, plans), "offload": self.row(250, 105.0), "fp8+offload": {"error": "boom"}}
         summary = budget_sweep.summarize(results, [0.5], 0.02)
         self.assertEqual(summary["offload"][0], {"row": "offload", "peak": 0.25, "time": 1.05, "error": None})
         table = budget_sweep.format_table(summary, 0.02)
@@ -184,9 +207,21 @@ class TestBudgetSweep(TestCase):
 
     def test_plan_rows_are_json(self) -> None:
 
-        plan = BudgetPlanSummary("ambient", "budget(0.5)", 10, 20, 10, 12, "the forward's end", False, "the floor", 1.0,
-                                 (PlannedStorage(("a",), "int8", 3, 0.1), PlannedStorage(("b",), "int8", 3, 0.1)),
-                                 floor_bytes=12, floor_holders=("a 3 B",))
+        plan = BudgetPlanSummary(
+            "ambient",
+            "budget(0.5)",
+            10,
+            20,
+            10,
+            12,
+            "the forward's end",
+            False,
+            "the floor",
+            1.0,
+            (PlannedStorage(("a",), "int8", 3, 0.1), PlannedStorage(("b",), "int8", 3, 0.1)),
+            floor_bytes=12,
+            floor_holders=("a 3 B",),
+        )
         row = plan_row(plan)
         self.assertEqual((row["options"], row["floor_holders"], "units" in row), ({"int8": 2}, ("a 3 B",), False))
         json.dumps(row)

@@ -42,12 +42,10 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget import cost_model, exact, planner, recompute, solver
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META
 from torch_patches.bench.case import Case
 from torch_patches.bench.measure import block_working_set, saved_bytes, saved_bytes_by_device, saved_tensors
-from torch_patches.testing.models import blocks_of, build_model, example_input
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
 from torch_patches.testing import (
@@ -58,6 +56,7 @@ from torch_patches.testing import (
     peak_bytes,
     saved_tensor_records,
 )
+from torch_patches.testing.models import blocks_of, build_model, example_input
 
 
 class PlanRecords:
@@ -132,7 +131,9 @@ class TestCostModel(TestCase):
         rates = cost_model.Rates(memory_bytes_per_ms=1e6, host_bytes_per_ms=1e5, flops_per_ms=1e9, kernel_ms=0.0)
         f32 = torch.empty(64, 32)
         names = lambda opts: [o.name for o in opts]  # noqa: E731
-        self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "bf16", "int8", "fp8"])
+        self.assertEqual(
+            names(cost_model.options_for(f32, f32.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep", "bf16", "int8", "fp8"]
+        )
         self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "int8", (0, 0), rates)), ["keep", "bf16", "int8"])
         self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "bf16", (0, 0), rates)), ["keep", "bf16"])
         self.assertEqual(names(cost_model.options_for(f32, f32.nbytes, ab_options(), "exact", (0, 0), rates)), ["keep"])
@@ -142,7 +143,10 @@ class TestCostModel(TestCase):
         self.assertEqual(names(cost_model.options_for(ints, ints.nbytes, ab_options(), "fp8", (0, 0), rates)), ["keep"])
         # A CUDA tensor (metadata only): offload, hidden by the compute around it or not.
         cuda = types.SimpleNamespace(
-            element_size=lambda: 4, shape=(64, 32), dim=lambda: 2, is_floating_point=lambda: True,
+            element_size=lambda: 4,
+            shape=(64, 32),
+            dim=lambda: 2,
+            is_floating_point=lambda: True,
             device=torch.device("cuda"),
         )
         opts = {o.name: o for o in cost_model.options_for(cuda, 8192, ab_options(), "fp8", (0.0, 0.0), rates)}
@@ -411,10 +415,12 @@ class TestRecomputeInGraphs(BudgetTestCase):
         loss.backward()
         self.assertEqual(held, 16 * 32 * 4)
         self.assertGradsEqual([x.grad, w.grad], want, exact=True)
-        (planned, baseline, limit), = self.plan_log.summaries()
+        ((planned, baseline, limit),) = self.plan_log.summaries()
         self.assertEqual((planned, baseline, self.plan_log.peaks()), (2048, 4096, [2048]))
         self.assertEqual(self.plan_log.choices(), {"mm": "recompute", "detach_1": "keep"})
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w: "f32[8, 32]", primals_x: "f32[16, 8]", detach_1: "f32[16, 32]", t: "f32[8, 16]", t_1: "f32[32, 8]", tangents_1: "f32[]"):
         expand: "f32[16, 32]" = torch.ops.aten.expand.default(tangents_1, [16, 32]);  tangents_1 = None
@@ -425,7 +431,8 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[16, 32]" = torch.ops.aten.mul.Tensor(tanh_backward, mul);  tanh_backward = mul = None
         mm: "f32[8, 32]" = torch.ops.aten.mm.default(t, mul_1);  t = None
         mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(mul_1, t_1);  mul_1 = t_1 = None
-        return (mm, mm_1)""")
+        return (mm, mm_1)""",
+        )
 
     def check_recompute_refused(self, device, backend):
         # The lm-head pattern: log_softmax's output is what its backward reads first.
@@ -438,9 +445,7 @@ class GraphModule(torch.nn.Module):
         w = torch.randn(8, 32, device=device, requires_grad=True)
         torch._dynamo.reset()
         self.plan_log.clear()
-        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
-            *budget(0.5, options=("recompute",))
-        ):
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(*budget(0.5, options=("recompute",))):
             warnings.simplefilter("always")
             torch.compile(head, backend=backend, fullgraph=True)(x, w).backward()
         logits = self.plan_log.units_of_shape([16, 32])
@@ -448,8 +453,11 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(len(warned), 1, warned)
         (plan,) = self.plan_log.plans
         self.assertEqual(plan.floor_bytes, plan.peak_bytes)
-        self.assertRegex(warned[0], r"its floor, .* held at backward node \w+[ .].* What holds it there: [\d.]+ KiB "
-                                    r"in use there at full size: \w+ 2.0 KiB")
+        self.assertRegex(
+            warned[0],
+            r"its floor, .* held at backward node \w+[ .].* What holds it there: [\d.]+ KiB "
+            r"in use there at full size: \w+ 2.0 KiB",
+        )
         return plan, logits
 
     def test_recompute_refused_where_it_raises_the_peak(self, device):
@@ -503,9 +511,7 @@ class GraphModule(torch.nn.Module):
         x.grad = y.grad = w.grad = None
         torch._dynamo.reset()
         rec = AotEagerAndRecordGraphs()
-        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(
-            *budget(0.1, options=("recompute",))
-        ):
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.graph.saved_tensors_hooks(*budget(0.1, options=("recompute",))):
             warnings.simplefilter("always")
             loss = torch.compile(heads, backend=rec, fullgraph=True)(x, y, w)
         self.assertEqual(saved_bytes(loss, exclude=[x, y, w]), 0)
@@ -681,7 +687,7 @@ class TestPartitionerFirst(BudgetTestCase):
         ratio, met = self.partitioner()
         self.assertFalse(met)
         self.assertGreater(ratio, 0.5)
-        (planned, baseline, limit), = self.plan_log.summaries()
+        ((planned, baseline, limit),) = self.plan_log.summaries()
         self.assertEqual(limit, int(0.5 * baseline))
         self.assertLess(planned, baseline)
 
@@ -787,8 +793,14 @@ def _stand_in_plan(held, ms=0.0, lossy=True, met=True):
     """What the knapsack's weighing reads of a plan, for a graph that is its whole step
     (its score is its predicted peak, ``held``; half of it saved at the forward's end)."""
     return types.SimpleNamespace(
-        predicted=(held, "backward node mm"), peak=(held, 3), bounded=(held, 3), bounded_at="every_point",
-        predicted_bytes=held // 2, estimated_ms=ms, lossy=lossy, met=met,
+        predicted=(held, "backward node mm"),
+        peak=(held, 3),
+        bounded=(held, 3),
+        bounded_at="every_point",
+        predicted_bytes=held // 2,
+        estimated_ms=ms,
+        lossy=lossy,
+        met=met,
     )
 
 
@@ -822,9 +834,7 @@ class TestKnapsackWeighing(TestCase):
     def test_plan_fitted_under_what_it_holds(self):
         # Every point capped by the difference; the fitted plan reaches it, 2 ms + the 1 ms
         # margin < 10 ms: kept out, the cap left for the phases' fit.
-        taken, why, cap, calls = self.weigh(
-            _stand_in_plan(100, 1.0), _stand_in_plan(90, lossy=False), (10.0, 1.0), _stand_in_plan(90, 2.0)
-        )
+        taken, why, cap, calls = self.weigh(_stand_in_plan(100, 1.0), _stand_in_plan(90, lossy=False), (10.0, 1.0), _stand_in_plan(90, 2.0))
         self.assertEqual((taken, cap, calls), (False, (90, False), [(90, False)]))
         self.assertIn("the plan is fitted under what it holds instead (90 B against its 90 B, estimated 2.000 ms)", why)
 
@@ -987,7 +997,7 @@ class TestBudgetOnModels(BudgetTestCase):
                     warnings.simplefilter("always")
                     held, _ = _step(fn, model, x, hooks)
                 peak = peak_bytes(lambda: _step(fn, model, x, hooks), device)
-                (planned, baseline, limit), = self.plan_log.summaries()
+                ((planned, baseline, limit),) = self.plan_log.summaries()
                 (predicted_peak,) = self.plan_log.peaks()
                 self.assertEqual(limit, int(fraction * baseline))
                 self.assertLessEqual(planned, predicted_peak)
@@ -1019,9 +1029,7 @@ class TestBudgetOnModels(BudgetTestCase):
 
     @pytest.mark.slow
     def test_transformer_inductor(self, device):
-        self.check_budgets(
-            "transformer", device, (0.3, 0.4, 0.6), backend="inductor", unreachable=(0.3,), **_SIZES["transformer"]
-        )
+        self.check_budgets("transformer", device, (0.3, 0.4, 0.6), backend="inductor", unreachable=(0.3,), **_SIZES["transformer"])
 
     @pytest.mark.slow
     def test_llama_budgets_met_and_predicted(self, device):
@@ -1271,14 +1279,14 @@ class TestBudgetOnModels(BudgetTestCase):
 
         compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
         compiled(x).sum().backward()
-        (planned, baseline, limit), = self.plan_log.summaries()
+        ((planned, baseline, limit),) = self.plan_log.summaries()
         self.assertTrue(self.plan_log.plans[-1].scope.startswith("saved_tensors_hooks_scope"))
         self.assertLessEqual(planned, limit)
         # Half the blocks: about half of what the whole model saves.
         torch._dynamo.reset()
         self.plan_log.clear()
         _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.3))
-        (_, whole, _), = self.plan_log.summaries()
+        ((_, whole, _),) = self.plan_log.summaries()
         self.assertLess(abs(2 * baseline - whole), 0.1 * whole, (baseline, whole))
 
     def test_views_of_one_storage_are_planned_together(self, device):
@@ -1294,7 +1302,7 @@ class TestBudgetOnModels(BudgetTestCase):
         w = torch.randn(64, 192, device=device, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(*budget(0.75, options=_NO_OFFLOAD)):
             out = torch.compile(attention, backend="aot_eager")(x, w)
-        (planned, baseline, limit), = self.plan_log.summaries()
+        ((planned, baseline, limit),) = self.plan_log.summaries()
         shared = [u for u in self.plan_log.plans[0].units if len(u.saved) == 3]
         self.assertEqual([u.option in ("int8", "fp8") for u in shared], [True], self.plan_log.plans)
         self.assertEqual(saved_bytes(out, [x, w]), planned)
@@ -1307,14 +1315,20 @@ class TestBudgetOnModels(BudgetTestCase):
             _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.01, options=_NO_OFFLOAD))
         msgs = [str(w.message) for w in caught if "cannot be met" in str(w.message)]
         self.assertEqual(len(msgs), 1, [str(w.message) for w in caught])
-        self.assertRegex(msgs[0], r"budget\(0.01 of the saved bytes.*scope 'ambient': its floor, the least the allowed "
-                                  r"options hold, is (\d+) B \(0.35 of the saved bytes\), held at backward node \w+\.")
+        self.assertRegex(
+            msgs[0],
+            r"budget\(0.01 of the saved bytes.*scope 'ambient': its floor, the least the allowed "
+            r"options hold, is (\d+) B \(0.35 of the saved bytes\), held at backward node \w+\.",
+        )
         # The backward starts with the last block: its up projection and sigmoid at full size,
         # beside the other blocks' tensors at their fewest bytes.
         eight_bit = "int8" if device == "cpu" else "(?:int8|fp8)"  # equal bytes: the cheaper on the device
-        self.assertRegex(msgs[0], rf"What holds it there: 696.0 KiB already {eight_bit}, their fewest bytes \(12 storages\); "
-                                  r"512.0 KiB in use there at full size: mm_6 \(3.up\) 256.0 KiB, sigmoid_3 \(3\) 256.0 KiB\. "
-                                  r"Planned at the floor")
+        self.assertRegex(
+            msgs[0],
+            rf"What holds it there: 696.0 KiB already {eight_bit}, their fewest bytes \(12 storages\); "
+            r"512.0 KiB in use there at full size: mm_6 \(3.up\) 256.0 KiB, sigmoid_3 \(3\) 256.0 KiB\. "
+            r"Planned at the floor",
+        )
         (plan,) = self.plan_log.plans
         self.assertEqual((plan.floor_bytes, plan.met), (plan.peak_bytes, False))
         self.assertEqual(len(plan.floor_holders), 2)
@@ -1358,7 +1372,7 @@ class TestBudgetOnModels(BudgetTestCase):
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
         _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.6, options=("bf16",)))
         self.assertEqual(set(self.plan_log.choices().values()) - {"keep"}, {"bf16"})
-        (planned, _, limit), = self.plan_log.summaries()
+        ((planned, _, limit),) = self.plan_log.summaries()
         self.assertLessEqual(planned, limit)
 
 

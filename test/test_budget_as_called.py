@@ -25,7 +25,6 @@ from torch._dynamo.test_case import run_tests
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_patches
-
 from torch_patches._functorch._aot_autograd.activation_budget import working_set
 from torch_patches.hooks import bf16, budget
 from torch_patches.testing import TestCase, instantiate_device_type_tests, peak_bytes, saved_tensor_records
@@ -37,7 +36,7 @@ def _llama(device: str, vocab: int = 1024) -> tuple[object, torch.Tensor]:
 
         lm = hf_llama(vocab=vocab, dim=64, layers=2, heads=2, seq=64).to(device)
     except ImportError:
-        raise unittest.SkipTest("needs transformers")
+        raise unittest.SkipTest("needs transformers") from None
     ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     return lm, ids
 
@@ -84,7 +83,6 @@ class TestHeldBytes(TestCase):
         scalar, big, w, mm = 4, 16 * 8 * 4, 8 * 32 * 4, 16 * 32 * 4
         self.assertEqual(held["mm"], scalar + big + w + mm)
         self.assertEqual(held["sum_1"], scalar + w + mm + 32 * 4 + (0 if boxed else big))
-
 
     def test_inductors_rewrites_addmm_and_buffers_written_in_place(self, device: str) -> None:
         # An add of a matmul read by nothing else is one addmm (the matmul's own output never
@@ -154,8 +152,11 @@ class TestPredictedPeak(TestCase):
         step()
         measured = peak_bytes(step, device)
         (plan,) = [p for g in found for p in g.plans]
-        self.assertLess(abs(plan.predicted_peak_bytes - measured), 0.1 * measured,
-                        f"predicted {plan.predicted_peak_bytes} at {plan.predicted_peak_at}, measured {measured}")
+        self.assertLess(
+            abs(plan.predicted_peak_bytes - measured),
+            0.1 * measured,
+            f"predicted {plan.predicted_peak_bytes} at {plan.predicted_peak_at}, measured {measured}",
+        )
 
     @pytest.mark.slow
     def test_predicted_within_a_tenth_of_measured(self, device: str) -> None:
@@ -228,7 +229,7 @@ class TestAtOrBelowStock(TestCase):
 
             lm = hf_gpt2(vocab=8192, dim=256, layers=2, heads=4, seq=256).to(device)
         except ImportError:
-            raise unittest.SkipTest("needs transformers")
+            raise unittest.SkipTest("needs transformers") from None
         ids = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
         peaks = {}
         for row in ("budget", "stock"):
@@ -242,8 +243,11 @@ class TestAtOrBelowStock(TestCase):
                 loss.backward()
                 lm.zero_grad(set_to_none=True)
 
-            with torch._functorch.config.patch(activation_memory_budget=1.0 if hooks else 0.3), \
-                    torch._inductor.config.patch(force_disable_caches=True), saved_tensor_records() as found:
+            with (
+                torch._functorch.config.patch(activation_memory_budget=1.0 if hooks else 0.3),
+                torch._inductor.config.patch(force_disable_caches=True),
+                saved_tensor_records() as found,
+            ):
                 step()
                 peaks[row] = peak_bytes(step, device)
             if hooks:
@@ -261,7 +265,9 @@ class _ThinMLP(torch.nn.Module):
     def __init__(self, wide: int = 2048, thin: int = 32) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"down": torch.nn.Linear(wide, thin), "gate": torch.nn.Linear(wide, thin), "up": torch.nn.Linear(thin, wide)})
+            torch.nn.ModuleDict(
+                {"down": torch.nn.Linear(wide, thin), "gate": torch.nn.Linear(wide, thin), "up": torch.nn.Linear(thin, wide)}
+            )
             for _ in range(8)
         )
 
@@ -318,4 +324,3 @@ instantiate_device_type_tests(TestNeverAboveNoBudget, globals())
 
 if __name__ == "__main__":
     run_tests()
-

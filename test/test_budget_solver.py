@@ -24,7 +24,6 @@ from torch._dynamo.test_case import run_tests
 from torch_patches._functorch._aot_autograd.activation_budget import exact, solver
 from torch_patches.testing import TestCase
 
-
 Option, Choice, Plan, Span = solver.Option, solver.Choice, solver.Plan, solver.Span
 RECOMPUTE = solver.RECOMPUTE
 
@@ -132,9 +131,7 @@ def random_plan(seed, n=None, recompute=0.3):
         if rng.random() < 0.05:  # started part of the way (recompute included)
             chosen = options[rng.randrange(len(options))]
         choices.append(Choice([f"t{i}"], f"t{i}", nbytes, options, chosen, pins=pins, span=span, transient=transient))
-    fixed = tuple(
-        (Span(f, f + rng.randrange(-1, 3)), rng.choice((100, 500))) for f in rng.sample(range(horizon + 2), rng.randrange(0, 3))
-    )
+    fixed = tuple((Span(f, f + rng.randrange(-1, 3)), rng.choice((100, 500))) for f in rng.sample(range(horizon + 2), rng.randrange(0, 3)))
     result = Plan("t", None, sum(c.nbytes for c in choices), sum(b for _, b in fixed), 0, choices, fixed)
     result.budget_bytes = int(result.peak[0] * rng.choice((0.0, 0.3, 0.5, 0.7, 0.9, 1.0)))
     # A third bound only their forward's end: the backward's points may hold more (a graph

@@ -242,7 +242,9 @@ class CheckpointCase(TestCase):
 
     def assertNoFallback(self, compiled):  # noqa: N802
         self.assertEqual([c.fallback for c in compiled if c.fallback], [])
-        internal = [str(w.message) for w in self.caught if issubclass(w.category, SavedTensorsHookWarning) and "internal error" in str(w.message)]
+        internal = [
+            str(w.message) for w in self.caught if issubclass(w.category, SavedTensorsHookWarning) and "internal error" in str(w.message)
+        ]
         self.assertEqual(internal, [])
 
     def assertWithinBound(self, got, ref, eager_model, eager_loss, x, option, what):  # noqa: N802
@@ -361,16 +363,23 @@ class TestCheckpointRecords(CheckpointCase):
             loss.backward()
         self.assertNoFallback(compiled)
         lines = "\n".join(
-            f"{r.name}: {r.decision} by {r.decided_by}" + (f" ({r.option})" if r.option else "") + (f"; {r.checkpoint}" if r.checkpoint else "")
+            f"{r.name}: {r.decision} by {r.decided_by}"
+            + (f" ({r.option})" if r.option else "")
+            + (f"; {r.checkpoint}" if r.checkpoint else "")
             for r in compiled[0].records
         )
-        self.assertExpectedInline(lines, """\
+        self.assertExpectedInline(
+            lines,
+            """\
 primals_2: unhooked by filter; an input of a checkpointed region: the backward recomputes the region from it
 mm: recomputed by budget (recompute); an input of a checkpointed region: the backward recomputes the region from it
 t_4: unhooked by filter
 relu: recomputed by checkpoint
-sin: recomputed by checkpoint""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+sin: recomputed by checkpoint""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w: "f32[32, 32]", primals_x: "f32[64, 32]", t_4: "f32[32, 64]", tangents_1: "f32[]"):
         expand: "f32[64, 32]" = torch.ops.aten.expand.default(tangents_1, [64, 32]);  tangents_1 = None
@@ -394,7 +403,8 @@ class GraphModule(torch.nn.Module):
         mm_5: "f32[32, 32]" = torch.ops.aten.mm.default(t_4, mm_4);  t_4 = None
         mm_6: "f32[64, 32]" = torch.ops.aten.mm.default(mm_4, t_1);  mm_4 = t_1 = None
         add_1: "f32[32, 32]" = torch.ops.aten.add.Tensor(add, mm_5);  add = mm_5 = None
-        return (add_1, mm_6)""")
+        return (add_1, mm_6)""",
+        )
 
     def test_budget_never_recomputes_what_the_policy_saves(self, device):
         # MUST_SAVE keeps the matmuls; the budget may store them otherwise, never recompute
@@ -421,8 +431,13 @@ class GraphModule(torch.nn.Module):
 
 def llama(form: str | None):
     cfg = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -493,9 +508,17 @@ class TestLlamaCheckpointing(CheckpointCase):
         rows = [{"input_ids": self.ids[i % 2].tolist(), "labels": self.ids[i % 2].tolist()} for i in range(8)]
         with tempfile.TemporaryDirectory() as out:
             args = transformers.TrainingArguments(
-                output_dir=out, max_steps=3, per_device_train_batch_size=2, gradient_checkpointing=True,
-                torch_compile=True, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
-                learning_rate=1e-3, dataloader_num_workers=0,
+                output_dir=out,
+                max_steps=3,
+                per_device_train_batch_size=2,
+                gradient_checkpointing=True,
+                torch_compile=True,
+                report_to=[],
+                save_strategy="no",
+                logging_steps=1,
+                use_cpu=True,
+                learning_rate=1e-3,
+                dataloader_num_workers=0,
             )
             trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
             with tp_config.patch(activation_memory_budget=0.5), saved_tensor_records() as compiled:

@@ -17,10 +17,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.fx
+from cache_worker import run_in_one_fresh_process
 from torch._dynamo.test_case import run_tests
 
 import torch_patches
-from cache_worker import run_in_one_fresh_process
 from torch_patches._dynamo.output_graph import hook_subgraph
 from torch_patches._functorch._aot_autograd.hook_identity import hook_cache_hash, hooks_cache_key
 from torch_patches.hooks import cache_hash, inlineable
@@ -280,8 +280,7 @@ class TestHookCacheKey(TestCase):
             "print(hook_cache_hash(torch.fx.symbolic_trace(pack))[0])\n"
         )
         digests = {
-            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-            for _ in range(2)
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() for _ in range(2)
         }
         self.assertEqual(len(digests), 1)
         self.assertExpectedInline(digests.pop(), """71c3053a54cc5a7ed169934f""")

@@ -42,7 +42,7 @@ class TestCompileFacts(TestCase):
         x = torch.randn(8, 8, device=device, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(*bf16(where=None)):
             torch.compile(lambda x: x.sin().sin(), backend=backend)(x).sum().backward()
-        (ctx, facts), = seen
+        ((ctx, facts),) = seen
         self.assertIs(vars(ctx)[compile_facts._ATTR], facts)
         self.assertEqual(facts.hooks_inlined[1], True)
         self.assertEqual(facts.not_cacheable, [])

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from benchmarks import ROOT, convergence as cv, convergence_report as report
-from torch_patches.testing.models import decoder_layers
 from torch_patches.testing import TestCase
+from torch_patches.testing.models import decoder_layers
 
 
 class TestTrainBenchPieces(unittest.TestCase):
@@ -71,8 +71,10 @@ class TestTrainBenchPieces(unittest.TestCase):
             self.assertEqual(len(row.hooks()), 2)
         amb = cv.Row.parse("amb:0.3")
         self.assertEqual((amb.amb, amb.applies_patches), (0.3, False))
-        self.assertEqual(cv.split_rows("compiled, fp8_rowwise(block_size=32,otherwise=bf16),budget:0.5"),
-                         ["compiled", "fp8_rowwise(block_size=32,otherwise=bf16)", "budget:0.5"])
+        self.assertEqual(
+            cv.split_rows("compiled, fp8_rowwise(block_size=32,otherwise=bf16),budget:0.5"),
+            ["compiled", "fp8_rowwise(block_size=32,otherwise=bf16)", "budget:0.5"],
+        )
         for bad in ("fp9", "budget:1.5", "amb:0"):
             with self.assertRaises(ValueError):
                 cv.Row.parse(bad)
@@ -104,8 +106,7 @@ class TestTrainBenchPieces(unittest.TestCase):
 
     def test_summary_compares_each_seed_with_its_own_reference(self) -> None:
         def run(evals: dict[str, float], peak: int, ms: float) -> dict:
-            return {s: {"train": [3.0, 2.0], "eval": [(0, 5.0), (2, e)], "peak_bytes": peak, "step_ms": ms}
-                    for s, e in evals.items()}
+            return {s: {"train": [3.0, 2.0], "eval": [(0, 5.0), (2, e)], "peak_bytes": peak, "step_ms": ms} for s, e in evals.items()}
 
         results = [
             {"row": "compiled", "seeds": run({"0": 2.0, "1": 4.0}, 100, 10.0), "warnings": []},
@@ -143,12 +144,40 @@ class TestTrainBenchEndToEnd(unittest.TestCase):
             out, png = os.path.join(tmp, "train.json"), os.path.join(tmp, "train.png")
             proc = subprocess.run(
                 [
-                    sys.executable, "-m", "benchmarks.convergence", "--models", "llama,gpt2",
-                    "--rows", "fp8_rowwise,budget:0.5", "--seeds", "0", "--steps", "6", "--layers", "1",
-                    "--dim", "32", "--seq", "32", "--batch", "2", "--eval-every", "3", "--eval-batches", "2",
-                    "--backend", "aot_eager", "--json", out, "--png", png,
+                    sys.executable,
+                    "-m",
+                    "benchmarks.convergence",
+                    "--models",
+                    "llama,gpt2",
+                    "--rows",
+                    "fp8_rowwise,budget:0.5",
+                    "--seeds",
+                    "0",
+                    "--steps",
+                    "6",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "32",
+                    "--seq",
+                    "32",
+                    "--batch",
+                    "2",
+                    "--eval-every",
+                    "3",
+                    "--eval-batches",
+                    "2",
+                    "--backend",
+                    "aot_eager",
+                    "--json",
+                    out,
+                    "--png",
+                    png,
                 ],
-                capture_output=True, text=True, timeout=600, cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=ROOT,
             )
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             with open(out) as f:
@@ -174,8 +203,16 @@ class TestTrainBenchEndToEnd(unittest.TestCase):
 #: The slow convergence test's run: small enough for CI, long enough for the log-sum-exp's
 #: damage to show (benchmarks/README.md, "Convergence", has the full-size table).
 CONVERGENCE = cv.TrainConfig(
-    model="llama", layers=2, dim=128, heads=4, seq=256, batch=4, steps=200, backend="aot_eager",
-    eval_every=200, eval_batches=8,
+    model="llama",
+    layers=2,
+    dim=128,
+    heads=4,
+    seq=256,
+    batch=4,
+    steps=200,
+    backend="aot_eager",
+    eval_every=200,
+    eval_batches=8,
 )
 #: The bound on the mean eval-loss change against compiled without hooks.
 GAP_BOUND = 0.01

@@ -28,10 +28,6 @@ from tools.export_upstream import (
     make_stack,
     run_export,
 )
-from tools.export_upstream._model import CONFIG_HOME, CONFIG_MODULE_API, API_COMMIT, is_test_file
-from tools.export_upstream._tests import UPSTREAM_TESTS, HELPERS, Resolver, UpstreamTestError, upstream_test
-from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
-from tools.export_upstream._write import LARGE_REASONS, import_each_commit, REVIEWABLE_LINES, format_patch, summary_text
 from tools.export_upstream.__main__ import (
     DEFAULT_TESTS,
     REPO_ROOT,
@@ -40,8 +36,11 @@ from tools.export_upstream.__main__ import (
     main,
     run_upstream_tests,
 )
+from tools.export_upstream._model import API_COMMIT, CONFIG_HOME, CONFIG_MODULE_API, is_test_file
+from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
+from tools.export_upstream._tests import HELPERS, UPSTREAM_TESTS, Resolver, UpstreamTestError, upstream_test
+from tools.export_upstream._write import LARGE_REASONS, REVIEWABLE_LINES, format_patch, import_each_commit, summary_text
 from torch_patches.testing import UPSTREAM_FORM_ENV as TESTING_ENV
-
 
 ROOT = installed_torch_root()
 _CACHE = {}
@@ -118,10 +117,13 @@ class TestExport(unittest.TestCase):
         def binds(text, name):
             for node in parse(text).body:
                 targets = (
-                    [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
-                    [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
-                    if isinstance(node, (ast.Assign, ast.AnnAssign)) else
-                    [a.asname or a.name.split(".")[0] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+                    [node.name]
+                    if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                    else [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+                    if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    else [a.asname or a.name.split(".")[0] for a in node.names]
+                    if isinstance(node, (ast.Import, ast.ImportFrom))
+                    else []
                 )
                 if name in targets or isinstance(node, (ast.If, ast.Try)) and name in unparse(node):
                     return True
@@ -146,9 +148,7 @@ class TestExport(unittest.TestCase):
                 for node in ast.walk(tree):
                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                         text = module_text(aliases[node.value.id])
-                        if not binds(text, node.attr) and not (
-                            aliases[node.value.id] == CONFIG_HOME and node.attr in CONFIG_MODULE_API
-                        ):
+                        if not binds(text, node.attr) and not (aliases[node.value.id] == CONFIG_HOME and node.attr in CONFIG_MODULE_API):
                             missing.append(f"{r.filename}: {aliases[node.value.id]}.{node.attr}")
         self.assertEqual(sorted(set(missing)), [])
 
@@ -298,7 +298,9 @@ class TestExport(unittest.TestCase):
         """)
         text, helpers = upstream_test(ours, "module: functorch", resolver)
         self.assertEqual(helpers, set())
-        self.assertEqual(text, """\
+        self.assertEqual(
+            text,
+            """\
 # Owner(s): ["module: functorch"]
 
 import torch
@@ -315,7 +317,8 @@ class TestOurs(TestCase):
             return inlineable, tp_config.saved_tensors_hooks_placement
 
 instantiate_device_type_tests(TestOurs, globals())
-""")
+""",
+        )
         with self.assertRaisesRegex(UpstreamTestError, "bench.*does not export"):
             upstream_test("import torch_patches.bench as b\n", "x", resolver)
         with self.assertRaisesRegex(UpstreamTestError, "applies the patch set"):

@@ -32,13 +32,12 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+from generated_steps import HypothesisSource, Program, draw_program, leaves, make_params, run, source_text
 from torch._dynamo.test_case import run_tests
 
-from generated_steps import HypothesisSource, Program, leaves, make_params, draw_program, run, source_text
 from torch_patches import config as tp_config
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, int8_rowwise
 from torch_patches.testing import TestCase, saved_tensor_records
-
 
 #: The hooks an example runs under: name -> a function giving the pair (None: the knob).
 HOOKS = {
@@ -152,15 +151,15 @@ class TestGeneratedSteps(GeneratedCase):
         self.example(data, tuple(HOOKS), max_stmts=4)
 
     @pytest.mark.slow
-    @hypothesis.settings(max_examples=_examples(), deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(
+        max_examples=_examples(), deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)
+    )
     @hypothesis.given(data=st.data())
     def test_many(self, data):
         self.example(data, tuple(HOOKS))
 
     @pytest.mark.slow
-    @hypothesis.settings(max_examples=6, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(data=st.data())
     def test_inductor(self, data):
         self.example(data, ("budget0.3", "bf16", "fp8_rowwise", "knob0.4"), backend="inductor", max_stmts=5)

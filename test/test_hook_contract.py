@@ -255,9 +255,7 @@ class TestUnpackValidation(TestCase):
             return (F.linear(x, w).t() * 1.0).exp()
 
         hooks = torch.fx.symbolic_trace(lambda x: x.contiguous() * 2), torch.fx.symbolic_trace(lambda x: x / 2)
-        self.assertGradsEqual(
-            grads(fn, device, hooks=hooks, backend="aot_eager"), grads(fn, device), atol=1e-6, rtol=1e-6
-        )
+        self.assertGradsEqual(grads(fn, device, hooks=hooks, backend="aot_eager"), grads(fn, device), atol=1e-6, rtol=1e-6)
 
     def test_symbolic_strides_are_restored(self, device):
         # dynamic=True: a saved tensor's strides may be expressions of symbols the backward
@@ -299,9 +297,7 @@ class TestUnpackValidation(TestCase):
             with self.subTest():
                 torch._dynamo.reset()
                 hooks = pack, lambda t: t / 2
-                self.assertGradsEqual(
-                    grads(fn, device, hooks=hooks, backend="inductor"), grads(fn, device), atol=1e-5, rtol=1e-5
-                )
+                self.assertGradsEqual(grads(fn, device, hooks=hooks, backend="inductor"), grads(fn, device), atol=1e-5, rtol=1e-5)
         torch_patches.unapply()
         torch._dynamo.reset()
         with self.assertRaisesRegex(AssertionError, "stride"):

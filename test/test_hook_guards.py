@@ -11,15 +11,15 @@ import contextlib
 import types
 from unittest import mock
 
+import identity_deps as deps
 import torch
 import torch.fx
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import identity_deps as deps
 from torch_patches import config as tp_config
-from torch_patches._functorch._aot_autograd import hook_identity, hook_inputs, hook_tracing, hook_walk
 from torch_patches._dynamo.output_graph import INPUT_LEAVES_SUBGRAPH
+from torch_patches._functorch._aot_autograd import hook_identity, hook_inputs, hook_tracing, hook_walk
 from torch_patches.hooks import bf16, cpu_offload, inlineable
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 

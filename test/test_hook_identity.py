@@ -26,6 +26,8 @@ import warnings
 
 import hypothesis
 import hypothesis.strategies as st
+import identity_cfg
+import identity_deps as deps
 import pytest
 import torch
 import torch._functorch.config as functorch_config
@@ -33,8 +35,6 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.testing._internal.common_utils import parametrize
 
-import identity_cfg
-import identity_deps as deps
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd.hook_identity import hook_identity
@@ -358,15 +358,18 @@ class TestNotKeyable(IdentityTestCase):
         from torch_patches._functorch._aot_autograd.hook_code import ALL_ATTRS, _code_info
 
         def constant(t):
-            return t * getattr(identity_cfg, "SCALE", 1.0) * getattr(identity_cfg.nested, "inner").scale
+            return t * getattr(identity_cfg, "SCALE", 1.0) * identity_cfg.nested.inner.scale
 
         def computed(t, name="SCALE"):
             return t * getattr(identity_cfg, name)
 
         self.assertNotIn(ALL_ATTRS, _code_info(constant.__code__).names)
         self.assertIn(ALL_ATTRS, _code_info(computed.__code__).names)
-        for dynamic in (lambda t: t * vars(identity_cfg)["SCALE"], lambda t: t * identity_cfg.__dict__["SCALE"],
-                        lambda t: t * globals()["GLOBAL_NAME"]):
+        for dynamic in (
+            lambda t: t * vars(identity_cfg)["SCALE"],
+            lambda t: t * identity_cfg.__dict__["SCALE"],
+            lambda t: t * globals()["GLOBAL_NAME"],
+        ):
             self.assertIn(ALL_ATTRS, _code_info(dynamic.__code__).names)
 
     def test_dynamic_import_is_not_inlined(self, device):
@@ -474,11 +477,9 @@ class TestHookIdentityAcrossProcesses(TestCase):
         env = dict(os.environ)
         env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
         spec = {"runs": [dict(s, cache_dir=d) for d, s in runs]}
-        proc = subprocess.run(
-            [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900
-        )
+        proc = subprocess.run([sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]]
+        results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs) :]]
         for result in results:
             result["grad"] = torch.tensor(result["grad"])
         return results

@@ -118,6 +118,7 @@ class TestHookInputs(TestCase):
                     compiled = torch.compile(model, backend=counter)
                     step = lambda: grads(compiled, model, x, holder.hooks())  # noqa: E731
                 else:
+
                     def in_region(hooks):
                         with torch.autograd.graph.saved_tensors_hooks(*hooks):
                             return model(x)

@@ -39,7 +39,6 @@ from torch_patches.testing import (
     instantiate_device_type_tests,
 )
 
-
 #: fp8 format -> eps = 2^-mantissa bits (not torch.finfo's: it says 2^-3 for e5m2fnuz).
 FP8_EPS = {torch.float8_e4m3fn: 2.0**-3, torch.float8_e5m2: 2.0**-2}
 
@@ -187,24 +186,16 @@ def loss_weights(y: torch.Tensor) -> torch.Tensor:
     return torch.linspace(-1, 1, y.numel(), device=y.device, dtype=y.dtype).view_as(y)
 
 
-def grads_of(
-    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], hook_pair: Any = None
-) -> list[torch.Tensor]:
+def grads_of(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], hook_pair: Any = None) -> list[torch.Tensor]:
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    ctx = (
-        torch.autograd.graph.saved_tensors_hooks(*hook_pair)
-        if hook_pair is not None
-        else contextlib.nullcontext()
-    )
+    ctx = torch.autograd.graph.saved_tensors_hooks(*hook_pair) if hook_pair is not None else contextlib.nullcontext()
     with ctx:
         y = fn(*inputs)
     (y * loss_weights(y)).sum().backward()
     return [t.grad for t in inputs]
 
 
-def grad_error_bound(
-    bound: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor]
-) -> list[torch.Tensor]:
+def grad_error_bound(bound: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Element-wise bound on |grad with hooks - grad without| for :func:`model`.
 
     The backward reads x, W1, h = x W1^T + b1, a = gelu(h) and W2 (eager saves all five;
@@ -276,9 +267,7 @@ class TestHooksLibrary(TestCase):
     def check_round_trip(self, pair: Any, x: torch.Tensor, bound: torch.Tensor, msg: str) -> float:
         pack, unpack = pair
         xhat = unpack(pack(x))
-        self.assertEqual(
-            (xhat.dtype, xhat.shape, xhat.device), (x.dtype, x.shape, x.device), msg=msg
-        )
+        self.assertEqual((xhat.dtype, xhat.shape, xhat.device), (x.dtype, x.shape, x.device), msg=msg)
         return self.assertWithin(xhat, x, bound, msg)
 
     @parametrize("name", list(HOOKS))
@@ -385,14 +374,24 @@ class TestHooksLibrary(TestCase):
             a, b = factory(), factory()
             self.assertTrue(all(hooks.is_inlineable(f) for f in a))
             self.assertEqual(hooks_guard_key(a), hooks_guard_key(b))
-        self.assertNotEqual(
-            hooks_guard_key(hooks.fp8_rowwise()), hooks_guard_key(hooks.fp8_rowwise(torch.float8_e5m2))
-        )
+        self.assertNotEqual(hooks_guard_key(hooks.fp8_rowwise()), hooks_guard_key(hooks.fp8_rowwise(torch.float8_e5m2)))
 
     def test_public_api(self, device: str) -> None:
         # The package exports every ready-made pair, the markers and the record type.
-        for name in ("bf16", "fp8_rowwise", "int8_rowwise", "chain", "cpu_offload", "inlineable",
-                     "is_inlineable", "select", "numerics_safe", "budget", "cache_hash", "SavedTensorInfo"):
+        for name in (
+            "bf16",
+            "fp8_rowwise",
+            "int8_rowwise",
+            "chain",
+            "cpu_offload",
+            "inlineable",
+            "is_inlineable",
+            "select",
+            "numerics_safe",
+            "budget",
+            "cache_hash",
+            "SavedTensorInfo",
+        ):
             self.assertIn(name, hooks.__all__)
             self.assertTrue(callable(getattr(hooks, name)), name)
 
@@ -418,9 +417,7 @@ class TestHooksLibrary(TestCase):
         rec = AotEagerAndRecordGraphs() if backend == "aot_eager" else InductorAndRecordGraphs()
         with functorch_config.patch(saved_tensors_hooks_filtering_mode="all"):
             torch._dynamo.reset()
-            python = grads_of(
-                torch.compile(model, backend=backend, fullgraph=True), inputs, float_only(*factory(where=None))
-            )
+            python = grads_of(torch.compile(model, backend=backend, fullgraph=True), inputs, float_only(*factory(where=None)))
             torch._dynamo.reset()
             inlined = grads_of(torch.compile(model, backend=rec, fullgraph=True), inputs, factory(where=None))
         self.assertTrue(hook_nodes(rec.fw_graphs[0]) and hook_nodes(rec.bw_graphs[0]), "not inlined")
@@ -491,7 +488,9 @@ class TestHooksLibrary(TestCase):
         # relu's output (saved as detach_1) is packed right after its last forward use, to
         # fp8 + one float32 scale per row; the backward dequantises it right before
         # threshold_backward. x and w are graph inputs (alive anyway): not hooked.
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_b: "f32[6]", primals_w: "f32[6, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 6]" = torch.ops.aten.t.default(primals_w);  primals_w = None
@@ -508,8 +507,11 @@ class GraphModule(torch.nn.Module):
         clamp_default: "f32[4, 6]" = torch.ops.aten.clamp.default(div_tensor_1, -448.0, 448.0);  div_tensor_1 = None  # pack(detach_1)
         detach_1_packed_0: "f8e4m3fn[4, 6]" = torch.ops.aten._to_copy.default(clamp_default, dtype = torch.float8_e4m3fn);  clamp_default = None  # pack(detach_1)
         t_1: "f32[6, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (sum_1, primals_x, detach_1_packed_0, detach_1_packed_1, t_1)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (sum_1, primals_x, detach_1_packed_0, detach_1_packed_1, t_1)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", detach_1_packed_0: "f8e4m3fn[4, 6]", detach_1_packed_1: "f32[4, 1]", t_1: "f32[6, 8]", tangents_1: "f32[]"):
         expand: "f32[4, 6]" = torch.ops.aten.expand.default(tangents_1, [4, 6]);  tangents_1 = None
@@ -523,7 +525,8 @@ class GraphModule(torch.nn.Module):
         sum: "f32[1, 6]" = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
         view: "f32[6]" = torch.ops.aten.view.default(sum, [6]);  sum = None
         t_3: "f32[6, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
-        return (view, t_3, mm)""")
+        return (view, t_3, mm)""",
+        )
 
     # ------------------------------------------------------------------ dynamic shapes
 
@@ -545,9 +548,9 @@ class GraphModule(torch.nn.Module):
         packs = [n for n in rec.fw_graphs[0].graph.nodes if n.name in hook_nodes(rec.fw_graphs[0])]
         self.assertTrue(packs)
         symbolic = [
-            n for n in packs
-            if isinstance(n.meta.get("val"), torch.Tensor)
-            and any(isinstance(s, torch.SymInt) for s in n.meta["val"].shape)
+            n
+            for n in packs
+            if isinstance(n.meta.get("val"), torch.Tensor) and any(isinstance(s, torch.SymInt) for s in n.meta["val"].shape)
         ]
         self.assertTrue(symbolic, "no pack node has a symbolic size")
 
@@ -617,8 +620,7 @@ class GraphModule(torch.nn.Module):
         self.assertGradsEqual(chained, fp8, exact=True)
         # The packed leaves saved for the backward are flat fp8 payloads and scales.
         saved = [
-            n.meta["val"] for n in rec.fw_graphs[0].graph.output_node().args[0][1:]
-            if isinstance(n, torch.fx.Node) and "packed" in n.name
+            n.meta["val"] for n in rec.fw_graphs[0].graph.output_node().args[0][1:] if isinstance(n, torch.fx.Node) and "packed" in n.name
         ]
         self.assertTrue(saved)
         self.assertTrue(all(v.dim() == 1 for v in saved))
@@ -627,16 +629,12 @@ class GraphModule(torch.nn.Module):
 
 def _flat() -> Any:
     """A lossless, traceable stage: store tensors flat with their sizes."""
-    return hooks.inlineable(
-        lambda t: (t.shape, t.reshape(-1)), lambda p: p[1].reshape(p[0])
-    )
+    return hooks.inlineable(lambda t: (t.shape, t.reshape(-1)), lambda p: p[1].reshape(p[0]))
 
 
 def _offload() -> Any:
     """A traceable stand-in for an offloading stage: to the CPU and back to the device."""
-    return hooks.inlineable(
-        lambda t: (t.device, t.to("cpu")), lambda p: p[1].to(p[0])
-    )
+    return hooks.inlineable(lambda t: (t.device, t.to("cpu")), lambda p: p[1].to(p[0]))
 
 
 class TestHooksWithoutPatches(TestCase):

@@ -28,7 +28,6 @@ from torch_patches.testing import (
     instantiate_device_type_tests,
 )
 
-
 #: name -> (GraphModule hooks, the same hooks as Python functions, lossless?)
 HOOKS = {
     "exact": (H.EXACT, (H.exact_pack, H.exact_unpack), True),
@@ -76,10 +75,7 @@ def make_model(ops):
 def make_inputs(device, dim, *, n_weights=2, seed=0, x_requires_grad=True):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, dim, generator=gen).to(device).requires_grad_(x_requires_grad)
-    ws = [
-        (torch.randn(dim, dim, generator=gen) / dim**0.5).to(device).requires_grad_()
-        for _ in range(n_weights)
-    ]
+    ws = [(torch.randn(dim, dim, generator=gen) / dim**0.5).to(device).requires_grad_() for _ in range(n_weights)]
     return [x, *ws]
 
 

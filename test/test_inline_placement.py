@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 
 import torch_patches.config as tp_config
-from torch_patches.testing._internal.saved_tensors_hooks_fixtures import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
 from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
@@ -25,6 +24,7 @@ from torch_patches.testing import (
     hook_nodes,
     instantiate_device_type_tests,
 )
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import BF16, DTYPE, EXACT, FLAT, check_placed_at_use
 
 
 class TestInlinePlacement(TestCase):
@@ -42,7 +42,9 @@ class TestInlinePlacement(TestCase):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         w = torch.randn(16, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x, w: F.linear(x, w).relu().sin(), x, w)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w: "f32[16, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 16]" = torch.ops.aten.t.default(primals_w);  primals_w = None
@@ -51,8 +53,11 @@ class GraphModule(torch.nn.Module):
         sin: "f32[4, 16]" = torch.ops.aten.sin.default(relu)
         relu_packed: "bf16[4, 16]" = torch.ops.aten._to_copy.default(relu, dtype = torch.bfloat16);  relu = None  # pack(relu)
         t_3: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (sin, primals_x, relu_packed, t_3)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (sin, primals_x, relu_packed, t_3)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", relu_packed: "bf16[4, 16]", t_3: "f32[16, 8]", tangents_1: "f32[4, 16]"):
         relu_unpacked: "f32[4, 16]" = torch.ops.aten._to_copy.default(relu_packed, dtype = torch.float32);  relu_packed = None  # unpack(relu)
@@ -66,7 +71,8 @@ class GraphModule(torch.nn.Module):
         t_1: "f32[8, 16]" = torch.ops.aten.t.default(mm);  mm = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
         t_2: "f32[16, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
-        return (t_2, mm_1)""")
+        return (t_2, mm_1)""",
+        )
 
     def test_mlp_block(self, device):
         def block(x, w1, w2):
@@ -78,7 +84,9 @@ class GraphModule(torch.nn.Module):
         w1 = torch.randn(16, 8, device=device, requires_grad=True)
         w2 = torch.randn(8, 16, device=device, requires_grad=True)
         rec = self.compile_step(block, x, w1, w2)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w1: "f32[16, 8]", primals_w2: "f32[8, 16]", primals_x: "f32[4, 8]"):
         t: "f32[8, 16]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
@@ -94,8 +102,11 @@ class GraphModule(torch.nn.Module):
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_x, mm_1);  mm_1 = None
         t_4: "f32[8, 16]" = torch.ops.aten.t.default(t_1);  t_1 = None
         t_8: "f32[16, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add, primals_x, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (add, primals_x, mm_packed, sigmoid_packed, mul_packed, t_4, t_8)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", mm_packed: "bf16[4, 16]", sigmoid_packed: "bf16[4, 16]", mul_packed: "bf16[4, 16]", t_4: "f32[8, 16]", t_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
         t: "f32[8, 4]" = torch.ops.aten.t.default(tangents_1)
@@ -120,7 +131,8 @@ class GraphModule(torch.nn.Module):
         mm_3: "f32[4, 8]" = torch.ops.aten.mm.default(add, t_8);  add = t_8 = None
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_3);  tangents_1 = mm_3 = None
         t_6: "f32[16, 8]" = torch.ops.aten.t.default(t_5);  t_5 = None
-        return (t_6, t_2, add_1)""")
+        return (t_6, t_2, add_1)""",
+        )
 
     def test_residual_stack(self, device):
         def stack(x, ws):
@@ -131,7 +143,9 @@ class GraphModule(torch.nn.Module):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         ws = [torch.randn(8, 8, device=device, requires_grad=True) for _ in range(3)]
         rec = self.compile_step(stack, x, ws)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_ws_0: "f32[8, 8]", primals_ws_1: "f32[8, 8]", primals_ws_2: "f32[8, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 8]" = torch.ops.aten.t.default(primals_ws_0);  primals_ws_0 = None
@@ -160,8 +174,11 @@ class GraphModule(torch.nn.Module):
         detach_5: "f32[4, 8]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_5_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(detach_5, dtype = torch.bfloat16);  detach_5 = None  # pack(detach_5)
         t_13: "f32[8, 8]" = torch.ops.aten.t.default(t);  t = None
-        return (add_2, primals_x, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (add_2, primals_x, add_packed, add_1_packed, detach_3_packed, t_5, detach_4_packed, t_9, detach_5_packed, t_13)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", add_packed: "bf16[4, 8]", add_1_packed: "bf16[4, 8]", detach_3_packed: "bf16[4, 8]", t_5: "f32[8, 8]", detach_4_packed: "bf16[4, 8]", t_9: "f32[8, 8]", detach_5_packed: "bf16[4, 8]", t_13: "f32[8, 8]", tangents_1: "f32[4, 8]"):
         detach_3_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(detach_3_packed, dtype = torch.float32);  detach_3_packed = None  # unpack(detach_3)
@@ -190,21 +207,27 @@ class GraphModule(torch.nn.Module):
         mm_5: "f32[4, 8]" = torch.ops.aten.mm.default(tanh_backward_2, t_13);  tanh_backward_2 = t_13 = None
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(add_1, mm_5);  add_1 = mm_5 = None
         t_10: "f32[8, 8]" = torch.ops.aten.t.default(t_8);  t_8 = None
-        return (t_10, t_6, t_2, add_2)""")
+        return (t_10, t_6, t_2, add_2)""",
+        )
 
     def test_tuple_pack_dtype_and_tensor(self, device):
         # The dtype leaf is a constant: it is baked into the unpack graph, not saved.
         x = torch.randn(4, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=DTYPE)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        return (cos, primals_x, exp_packed)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (cos, primals_x, exp_packed)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
@@ -216,12 +239,15 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
-        return (mul_2)""")
+        return (mul_2)""",
+        )
 
     def test_shape_changing_pack(self, device):
         x = torch.randn(4, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
@@ -229,8 +255,11 @@ class GraphModule(torch.nn.Module):
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         view_default: "f32[32]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed: "f32[32]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_x, exp_packed)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (cos, primals_x, exp_packed)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", exp_packed: "f32[32]", tangents_1: "f32[4, 8]"):
         div_tensor: "f32[32]" = torch.ops.aten.div.Tensor(exp_packed, 2);  exp_packed = None  # unpack(exp)
@@ -243,14 +272,17 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
-        return (mul_2)""")
+        return (mul_2)""",
+        )
 
     def test_dynamic_shapes(self, device):
         # The shape-changing hook under dynamic shapes: its sizes are symbolic and the
         # backward reads them from the saved symints.
         x = torch.randn(4, 8, device=device, requires_grad=True)
         rec = self.compile_step(lambda x: x.sin().exp().cos(), x, hooks=FLAT, dynamic=True)
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_s27: "Sym(s27)", primals_s77: "Sym(s77)", primals_x: "f32[s77, s27]"):
         sin: "f32[s77, s27]" = torch.ops.aten.sin.default(primals_x)
@@ -260,8 +292,11 @@ class GraphModule(torch.nn.Module):
         exp_packed_0: "Sym(s77)" = torch.ops.aten.sym_size.int(exp, 0)  # pack(exp)
         view_default: "f32[s27*s77]" = torch.ops.aten.view.default(exp, [-1]);  exp = None  # pack(exp)
         exp_packed_2: "f32[s27*s77]" = torch.ops.aten.mul.Tensor(view_default, 2);  view_default = None  # pack(exp)
-        return (cos, primals_x, exp_packed_2, primals_s27, primals_s77, exp_packed_0, exp_packed_1)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (cos, primals_x, exp_packed_2, primals_s27, primals_s77, exp_packed_0, exp_packed_1)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_s27: "Sym(s27)", primals_s77: "Sym(s77)", exp_packed_0: "Sym(s77)", exp_packed_1: "Sym(s27)", primals_x: "f32[s77, s27]", exp_packed_2: "f32[s27*s77]", tangents_1: "f32[s77, s27]"):
         div_tensor: "f32[s27*s77]" = torch.ops.aten.div.Tensor(exp_packed_2, 2);  exp_packed_2 = None  # unpack(exp)
@@ -274,7 +309,8 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos: "f32[s77, s27]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
         mul_2: "f32[s77, s27]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
-        return (None, None, mul_2)""")
+        return (None, None, mul_2)""",
+        )
 
     def _filtering_mode(self, device, mode):
         # The weight is a module parameter: a static input, which "no_static" leaves alone.
@@ -285,7 +321,9 @@ class GraphModule(torch.nn.Module):
 
     def test_filtering_mode_donated(self, device):
         rec = self._filtering_mode(device, "donated")
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
@@ -293,12 +331,15 @@ class GraphModule(torch.nn.Module):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        return (cos, primals_lin_parameters_weight, primals_x, mm_packed)""")
+        return (cos, primals_lin_parameters_weight, primals_x, mm_packed)""",
+        )
 
     def test_filtering_mode_no_static(self, device):
         # Inputs are hooked too, but not static inputs (parameters in a module).
         rec = self._filtering_mode(device, "no_static")
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
@@ -307,11 +348,14 @@ class GraphModule(torch.nn.Module):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        return (cos, primals_lin_parameters_weight, primals_x_packed, mm_packed)""")
+        return (cos, primals_lin_parameters_weight, primals_x_packed, mm_packed)""",
+        )
 
     def test_filtering_mode_all(self, device):
         rec = self._filtering_mode(device, "all")
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_lin_parameters_weight: "f32[8, 8]", primals_x: "f32[4, 8]"):
         t: "f32[8, 8]" = torch.ops.aten.t.default(primals_lin_parameters_weight)
@@ -321,8 +365,11 @@ class GraphModule(torch.nn.Module):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(mm)
         mm_packed: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mm, 2);  mm = None  # pack(mm)
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(sin);  sin = None
-        return (cos, primals_lin_parameters_weight_packed, primals_x_packed, mm_packed)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (cos, primals_lin_parameters_weight_packed, primals_x_packed, mm_packed)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_lin_parameters_weight_packed: "f32[8, 8]", primals_x_packed: "f32[4, 8]", mm_packed: "f32[4, 8]", tangents_1: "f32[4, 8]"):
         mm_unpacked: "f32[4, 8]" = torch.ops.aten.div.Tensor(mm_packed, 2);  mm_packed = None  # unpack(mm)
@@ -341,7 +388,8 @@ class GraphModule(torch.nn.Module):
         t_3: "f32[8, 8]" = torch.ops.aten.t.default(t_2);  t_2 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(mul_1, t_3);  mul_1 = t_3 = None
         t_4: "f32[8, 8]" = torch.ops.aten.t.default(t_1);  t_1 = None
-        return (t_4, mm_1)""")
+        return (t_4, mm_1)""",
+        )
 
     def test_prefetch_distance(self, device):
         # Each unpack is issued two backward nodes before its first use.
@@ -351,7 +399,9 @@ class GraphModule(torch.nn.Module):
             compiled = torch.compile(lambda x: x.sin().exp().cos().tanh(), backend=backend)
             with torch.autograd.graph.saved_tensors_hooks(*BF16):
                 compiled(x).sum().backward()
-        self.assertExpectedGraph(backend.bw_graphs[0], """\
+        self.assertExpectedGraph(
+            backend.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", detach_2: "f32[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
@@ -364,7 +414,8 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
-        return (mul_2)""")
+        return (mul_2)""",
+        )
 
     def test_boundary_placement_matches_upstream(self, device):
         # config.hook_placement="boundary" reproduces upstream's placement: every pack at the
@@ -375,15 +426,20 @@ class GraphModule(torch.nn.Module):
             compiled = torch.compile(lambda x: x.sin().exp().cos(), backend=backend)
             with torch.autograd.graph.saved_tensors_hooks(*BF16):
                 compiled(x).sum().backward()
-        self.assertExpectedGraph(backend.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            backend.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]"):
         sin: "f32[4, 8]" = torch.ops.aten.sin.default(primals_x)
         exp: "f32[4, 8]" = torch.ops.aten.exp.default(sin);  sin = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(exp)
         exp_packed: "bf16[4, 8]" = torch.ops.aten._to_copy.default(exp, dtype = torch.bfloat16);  exp = None  # pack(exp)
-        return (cos, primals_x, exp_packed)""")
-        self.assertExpectedGraph(backend.bw_graphs[0], """\
+        return (cos, primals_x, exp_packed)""",
+        )
+        self.assertExpectedGraph(
+            backend.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", exp_packed: "bf16[4, 8]", tangents_1: "f32[4, 8]"):
         exp_unpacked: "f32[4, 8]" = torch.ops.aten._to_copy.default(exp_packed, dtype = torch.float32);  exp_packed = None  # unpack(exp)
@@ -395,7 +451,8 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul, detach_1);  mul = detach_1 = None
         cos: "f32[4, 8]" = torch.ops.aten.cos.default(primals_x);  primals_x = None
         mul_2: "f32[4, 8]" = torch.ops.aten.mul.Tensor(mul_1, cos);  mul_1 = cos = None
-        return (mul_2)""")
+        return (mul_2)""",
+        )
 
     def test_inductor_receives_placed_graphs(self, device):
         def block(x, w1, w2):
@@ -405,7 +462,9 @@ class GraphModule(torch.nn.Module):
         w1 = torch.randn(16, 8, device=device, requires_grad=True)
         w2 = torch.randn(8, 16, device=device, requires_grad=True)
         rec = self.compile_step(block, x, w1, w2, backend=InductorAndRecordGraphs())
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w1: "f32[16, 8]", primals_w2: "f32[8, 16]", primals_x: "f32[4, 8]"):
         permute: "f32[8, 16]" = torch.ops.aten.permute.default(primals_w1, [1, 0]);  primals_w1 = None
@@ -422,8 +481,11 @@ class GraphModule(torch.nn.Module):
         add_1: "f32[4, 8]" = torch.ops.aten.add.Tensor(primals_x, mm_1);  mm_1 = None
         permute_4: "f32[8, 16]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
         permute_8: "f32[16, 8]" = torch.ops.aten.permute.default(permute, [1, 0]);  permute = None
-        return (add_1, primals_x, mm_packed, mul_2_packed, permute_4, permute_8)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (add_1, primals_x, mm_packed, mul_2_packed, permute_4, permute_8)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[4, 8]", mm_packed: "bf16[4, 16]", mul_2_packed: "bf16[4, 16]", permute_4: "f32[8, 16]", permute_8: "f32[16, 8]", tangents_1: "f32[4, 8]"):
         permute: "f32[8, 4]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
@@ -446,7 +508,8 @@ class GraphModule(torch.nn.Module):
         mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(permute_1, primals_x);  permute_1 = primals_x = None
         mm_3: "f32[4, 8]" = torch.ops.aten.mm.default(mul_6, permute_8);  mul_6 = permute_8 = None
         add_2: "f32[4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mm_3);  tangents_1 = mm_3 = None
-        return (mm_2, mm, add_2)""")
+        return (mm_2, mm, add_2)""",
+        )
 
 
 class TestStructuredTrace(TestCase):
@@ -474,10 +537,7 @@ class TestStructuredTrace(TestCase):
         finally:
             trace_log.removeHandler(handler)
             trace_log.setLevel(level)
-        ours = [
-            r for r in records
-            if (getattr(r, "metadata", {}).get("artifact") or {}).get("name") == "aot_saved_tensors_hooks_graphs"
-        ]
+        ours = [r for r in records if (getattr(r, "metadata", {}).get("artifact") or {}).get("name") == "aot_saved_tensors_hooks_graphs"]
         self.assertEqual(len(ours), 1)
         payload = ours[0].payload
         for prefix in ("forward_graph_pre", "backward_graph_pre", "forward_graph_post", "backward_graph_post"):

@@ -27,9 +27,7 @@ from torch_patches.testing import (
     hook_warnings,
     instantiate_device_type_tests,
 )
-
 from torch_patches.testing._internal.saved_tensors_hooks_fixtures import bf16_pack, bf16_unpack, exact_pack, exact_unpack
-
 
 EXACT = inlineable(exact_pack, exact_unpack)
 BF16 = inlineable(bf16_pack, bf16_unpack)
@@ -69,11 +67,7 @@ def grads_of(fn, x, ws):
 
 def scopes_by_saved(gm):
     """saved tensor name -> scope name of its pack nodes."""
-    return {
-        info["saved"]: info["hook"].removeprefix("saved_tensors_hooks_")
-        for info in hook_nodes(gm).values()
-        if info["role"] == "pack"
-    }
+    return {info["saved"]: info["hook"].removeprefix("saved_tensors_hooks_") for info in hook_nodes(gm).values() if info["role"] == "pack"}
 
 
 class TestInScopeHooks(TestCase):
@@ -96,7 +90,9 @@ class TestInScopeHooks(TestCase):
         backend = self.compile_and_compare(fn, device)
         # The scope covers the block: what its ops save (sin via mm, mm via gelu, gelu via
         # the second mm) is packed; what cos and the last mm save is not.
-        self.assertExpectedGraph(backend.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            backend.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w1: "f32[16, 16]", primals_w2: "f32[16, 16]", primals_w3: "f32[16, 16]", primals_x: "f32[8, 16]"):
         sin: "f32[8, 16]" = torch.ops.aten.sin.default(primals_x)
@@ -114,7 +110,8 @@ class GraphModule(torch.nn.Module):
         t_4: "f32[16, 8]" = torch.ops.aten.t.default(sin);  sin = None
         t_4_packed: "f32[16, 8]" = torch.ops.aten.mul.Tensor(t_4, 2);  t_4 = None  # pack(t_4) scope_0
         t_5: "f32[16, 16]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
-        return (mm_2, primals_x, mm_packed, mm_1, t, t_1, t_2_packed, t_3, t_4_packed, t_5)""")
+        return (mm_2, primals_x, mm_packed, mm_1, t, t_1, t_2_packed, t_3, t_4_packed, t_5)""",
+        )
 
     def test_two_scopes_with_different_hooks(self, device):
         # e.g. one compression for the MLP, another for the rest of the layer.
@@ -368,11 +365,7 @@ class TestUntraceableHooks(TestCase):
                     return block(x, w1, w2) @ w3
             return block(x, w1, w2) @ w3
 
-        ambient = (
-            torch.autograd.graph.saved_tensors_hooks(*hooks)
-            if where == "ambient"
-            else contextlib.nullcontext()
-        )
+        ambient = torch.autograd.graph.saved_tensors_hooks(*hooks) if where == "ambient" else contextlib.nullcontext()
         x, ws = inputs(device)
         with ambient:
             with self.assertRaisesHookError(f"{pack_fn.__name__}.*{reason}"):

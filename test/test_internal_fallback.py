@@ -33,14 +33,13 @@ from torch._dynamo.test_case import run_tests
 from torch_patches import config as tp_config
 from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch import partitioners
-from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 from torch_patches._functorch._aot_autograd import (
     compile_facts,
     graph_surgery,
     hook_tracing,
     saved_tensor_records,
 )
-from torch_patches._functorch._aot_autograd.activation_budget import planner
+from torch_patches._functorch._aot_autograd.activation_budget import partition_choice, planner
 from torch_patches.hooks import bf16, budget, inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,

@@ -30,7 +30,6 @@ from torch._dynamo.test_case import run_tests
 
 from torch_patches.testing import TestCase
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("torch_patches", "tools", "benchmarks")
 #: Import loops allowed: none.
@@ -47,14 +46,23 @@ SIZE_LIMITED = ("torch_patches/bench", "torch_patches/_functorch/_aot_autograd/a
 PER_CALL = {
     "torch_patches/_dynamo/guards.py": ("current_key", "_guard_check"),
     "torch_patches/_functorch/_aot_autograd/hook_identity.py": (
-        "hook_identity", "config_key", "hooks_guard_key", "_content_check",
+        "hook_identity",
+        "config_key",
+        "hooks_guard_key",
+        "_content_check",
     ),
     "torch_patches/_functorch/_aot_autograd/hook_inputs.py": ("current_input", "resolve", "_alias_of"),
     "torch_patches/_functorch/_aot_autograd/runtime_wrappers.py": (
-        "_per_call", "run_with_hooks_disabled", "run_under_hooks_contract", "_contract_hooks",
+        "_per_call",
+        "run_with_hooks_disabled",
+        "run_under_hooks_contract",
+        "_contract_hooks",
     ),
     "torch_patches/_functorch/_aot_autograd/utils.py": (
-        "top_saved_tensors_hooks", "ambient_saved_tensors_hooks", "_config_budget", "is_hookable_dtype",
+        "top_saved_tensors_hooks",
+        "ambient_saved_tensors_hooks",
+        "_config_budget",
+        "is_hookable_dtype",
     ),
 }
 MAX_LINES = 600
@@ -63,7 +71,7 @@ MAX_LINES = 600
 MAX_BENCH_LINES = 800
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(path):
     """A module's parsed source (the checks below each walk every module)."""
     with open(path) as f:
@@ -156,9 +164,7 @@ def extras_only_modules():
     for module, dists in importlib.metadata.packages_distributions().items():
         for dist in dists:
             provides.setdefault(dist.lower().replace("_", "-"), set()).add(module)
-    return sorted(
-        m for dist in extras - base for m in provides.get(dist, {dist.replace("-", "_")}) if not m.startswith("_")
-    )
+    return sorted(m for dist in extras - base for m in provides.get(dist, {dist.replace("-", "_")}) if not m.startswith("_"))
 
 
 def cli_imports():
@@ -210,7 +216,6 @@ class TestLayout(TestCase):
             self.skipTest("not a git checkout")
         self.assertEqual([f for f in tracked.stdout.splitlines() if BINARY.search(f)], [])
 
-
     def test_no_import_loops(self):
         loops = [sorted(c) for c in _loops(_imports(_modules())) if c not in ALLOWED_LOOPS]
         self.assertEqual(loops, [])
@@ -235,9 +240,11 @@ class TestLayout(TestCase):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     if seen_code:
                         late.append(f"{name}:{node.lineno}")
-                elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) and not (
-                    isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
-                ) and not isinstance(node, ast.Try):
+                elif (
+                    not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+                    and not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test))
+                    and not isinstance(node, ast.Try)
+                ):
                     seen_code = True
         self.assertEqual(late, [])
 
@@ -262,8 +269,11 @@ class TestLayout(TestCase):
             with open(os.path.join(ROOT, rel)) as f:
                 text = f.read()
             banner = next(
-                (i for i, line in enumerate(text.splitlines(), 1)
-                 if line.startswith("# ===") and line.rstrip().endswith("per compiled call")),
+                (
+                    i
+                    for i, line in enumerate(text.splitlines(), 1)
+                    if line.startswith("# ===") and line.rstrip().endswith("per compiled call")
+                ),
                 None,
             )
             defs = {n.name: n.lineno for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}

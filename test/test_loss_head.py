@@ -30,7 +30,9 @@ from torch_patches.hooks import budget
 from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests, saved_tensor_records
 
 
-def reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, spec: HeadSpec) -> tuple[torch.Tensor | None, torch.Tensor]:
+def reference(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, spec: HeadSpec
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The unchunked head: ``cross_entropy(g(linear(h, w, b)), y)`` and its returned logits."""
     stages = _stages(F.linear(h, w, b), spec.transforms)
     loss = F.cross_entropy(stages[-1].reshape(-1, w.shape[0]), y.reshape(-1), ignore_index=spec.ignore_index, reduction=spec.reduction)
@@ -63,12 +65,21 @@ def heads(draw: st.DrawFn) -> tuple[HeadSpec, dict]:
     if returns is not None and any(n == "softcap" for n, _ in transforms[: max(0, returns - 1)]):
         recompute = True  # a soft-cap's derivative is read off its output: only the returned one is saved
     spec = HeadSpec(
-        transforms=transforms, returns=returns, recompute=recompute,
-        reduction=draw(st.sampled_from(["mean", "sum"])), chunks=draw(st.integers(1, 9)),
+        transforms=transforms,
+        returns=returns,
+        recompute=recompute,
+        reduction=draw(st.sampled_from(["mean", "sum"])),
+        chunks=draw(st.integers(1, 9)),
         ignore_index=draw(st.sampled_from([-100, 0])),
     )
-    shape = {"tokens": draw(st.integers(1, 23)), "vocab": draw(st.integers(2, 17)), "hidden": draw(st.integers(1, 6)),
-             "bias": draw(st.booleans()), "ignored": draw(st.floats(0, 0.5)), "seed": draw(st.integers(0, 2**16))}
+    shape = {
+        "tokens": draw(st.integers(1, 23)),
+        "vocab": draw(st.integers(2, 17)),
+        "hidden": draw(st.integers(1, 6)),
+        "bias": draw(st.booleans()),
+        "ignored": draw(st.floats(0, 0.5)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
     return spec, shape
 
 
@@ -209,9 +220,11 @@ def _hf(family: str, vocab: int = 512):
     try:
         import transformers
     except ImportError:
-        raise unittest.SkipTest("needs transformers")
+        raise unittest.SkipTest("needs transformers") from None
     if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        )
     config, model, extra = FAMILIES[family]
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     return getattr(transformers, model)(getattr(transformers, config)(**common, **extra))
@@ -278,25 +291,34 @@ class TestUnderABudget(TestCase):
         # Things to note: HF returns the logits (returns=0, the matmul's output) and upcasts
         # them for the loss; under budget(0.1) each chunk's are recomputed in the backward.
         backend = self.check_family("llama", device)
-        self.assertExpectedInline(self.head_golden(backend), """\
+        self.assertExpectedInline(
+            self.head_golden(backend),
+            """\
 chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
   [1] call_function float32[] -> output
-  [0] call_function float32[2, 24, 512] -> output""")
+  [0] call_function float32[2, 24, 512] -> output""",
+        )
 
     def test_qwen2(self, device: str) -> None:
         backend = self.check_family("qwen2", device)
-        self.assertExpectedInline(self.head_golden(backend), """\
+        self.assertExpectedInline(
+            self.head_golden(backend),
+            """\
 chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
   [1] call_function float32[] -> output
-  [0] call_function float32[2, 24, 512] -> output""")
+  [0] call_function float32[2, 24, 512] -> output""",
+        )
 
     def test_gemma2_softcap(self, device: str) -> None:
         # Things to note: the soft-cap is part of the logits Gemma 2 returns (returns=1).
         backend = self.check_family("gemma2", device)
-        self.assertExpectedInline(self.head_golden(backend), """\
+        self.assertExpectedInline(
+            self.head_golden(backend),
+            """\
 chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('softcap', 30.0), ('upcast', None)), returns=1, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
   [1] call_function float32[] -> output
-  [0] call_function float32[2, 24, 512] -> output""")
+  [0] call_function float32[2, 24, 512] -> output""",
+        )
 
     def test_gpt2_loss_after_a_graph_break(self, device: str) -> None:
         # GPT-2's loss follows a graph break: its head and its loss are in two graphs,

@@ -196,9 +196,7 @@ class TestCacheHit(TestCase):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch_patches", "report", *args], capture_output=True, text=True, timeout=900
-    )
+    return subprocess.run([sys.executable, "-m", "torch_patches", "report", *args], capture_output=True, text=True, timeout=900)
 
 
 class TestCLI(TestCase):
@@ -218,7 +216,9 @@ class TestCLI(TestCase):
     def test_hf_models(self) -> None:
         pytest.importorskip("transformers")
         for model, extra in (
-            ("mlp8", ("--budget", "0.5", "--backend", "aot_eager")), ("gpt2", ("--budget", "0.3")), ("vit", ()),
+            ("mlp8", ("--budget", "0.5", "--backend", "aot_eager")),
+            ("gpt2", ("--budget", "0.3")),
+            ("vit", ()),
         ):
             with self.subTest(model=model), tempfile.TemporaryDirectory() as out:
                 proc = _cli("--model", model, *extra, "--out", out)
@@ -234,8 +234,14 @@ class TestHFModel(TestCase):
         # An HF model no other test uses: OPT from a config (random init, no download).
         transformers = pytest.importorskip("transformers")
         config = transformers.OPTConfig(
-            vocab_size=1024, hidden_size=128, num_hidden_layers=2, ffn_dim=512, num_attention_heads=4,
-            max_position_embeddings=128, dropout=0.0, attention_dropout=0.0,
+            vocab_size=1024,
+            hidden_size=128,
+            num_hidden_layers=2,
+            ffn_dim=512,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            dropout=0.0,
+            attention_dropout=0.0,
         )
         torch.manual_seed(0)
         model = transformers.OPTForCausalLM(config)

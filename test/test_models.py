@@ -30,7 +30,6 @@ from torch._dynamo.test_case import run_tests
 from torch_patches import hooks
 from torch_patches.testing import TestCase
 
-
 try:
     import transformers
 except ImportError:  # pragma: no cover - the [models] extra is not installed
@@ -119,8 +118,13 @@ HAS_TIMM = importlib.util.find_spec("timm") is not None
 
 def llama():
     cfg = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
         attn_implementation="sdpa",
     )
     model = transformers.LlamaForCausalLM(cfg)
@@ -130,8 +134,15 @@ def llama():
 
 def gpt2():
     cfg = transformers.GPT2Config(
-        vocab_size=1000, n_embd=256, n_layer=1, n_head=4, n_positions=256,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        vocab_size=1000,
+        n_embd=256,
+        n_layer=1,
+        n_head=4,
+        n_positions=256,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
     )
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 1000, (2, 256), generator=torch.Generator().manual_seed(1))
@@ -140,8 +151,14 @@ def gpt2():
 
 def vit():
     cfg = transformers.ViTConfig(
-        image_size=64, patch_size=8, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=512, num_labels=10, attn_implementation="sdpa",
+        image_size=64,
+        patch_size=8,
+        hidden_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=512,
+        num_labels=10,
+        attn_implementation="sdpa",
     )
     model = transformers.ViTForImageClassification(cfg)
     gen = torch.Generator().manual_seed(1)
@@ -156,7 +173,12 @@ def timm_vit():
 
     # Built directly (no registry entry, no pretrained config): fused qkv, exact GELU, SDPA.
     model = VisionTransformer(
-        img_size=64, patch_size=8, embed_dim=256, depth=1, num_heads=4, mlp_ratio=2.0,
+        img_size=64,
+        patch_size=8,
+        embed_dim=256,
+        depth=1,
+        num_heads=4,
+        mlp_ratio=2.0,
         num_classes=10,
     )
     gen = torch.Generator().manual_seed(1)
@@ -209,9 +231,7 @@ class TestRealModels(TestCase):
         # of what the compiled hook puts in fp8, and coarser than its bf16 elsewhere.
         references = {
             "bf16": hooks.bf16(),
-            "fp8_rowwise": hooks.fp8_rowwise(
-                where=functools.partial(hooks.numerics_safe, storage="int8"), otherwise=None
-            ),
+            "fp8_rowwise": hooks.fp8_rowwise(where=functools.partial(hooks.numerics_safe, storage="int8"), otherwise=None),
         }
         for factory in (hooks.bf16, hooks.fp8_rowwise):
             with self.subTest(model=name, hook=factory.__name__, backend=backend):
@@ -227,13 +247,12 @@ def _add_tests() -> None:
     # One test per model and backend, each skipped alone when its library is missing.
     for name, (_, installed) in MODELS.items():
         for backend in ("aot_eager", "inductor"):
+
             def test(self, name=name, backend=backend):
                 self.check(name, backend)
 
             test.__name__ = f"test_{name}_{backend}"
-            needs = "timm (pip install --no-deps timm)" if name == "timm_vit" else (
-                'transformers (pip install -e ".[models]")'
-            )
+            needs = "timm (pip install --no-deps timm)" if name == "timm_vit" else ('transformers (pip install -e ".[models]")')
             test = unittest.skipUnless(installed, f"needs {needs}")(test)
             setattr(TestRealModels, test.__name__, test)
 

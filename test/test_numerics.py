@@ -21,9 +21,8 @@ from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_patches import config as tp_config
-from torch_patches.hooks import numerics
 from torch_patches._functorch._aot_autograd import saved_numerics
-from torch_patches.hooks import bf16, fp8_rowwise, int8_rowwise, numerics_safe, select, tolerate
+from torch_patches.hooks import bf16, fp8_rowwise, int8_rowwise, numerics, numerics_safe, select, tolerate
 from torch_patches.hooks.select import SavedTensorInfo, _Kept
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
@@ -100,10 +99,15 @@ class TestAllowlistCompiled(TestCase):
                 # q, k, v (the op's inputs, through views) and its output are compressed.
                 qkv = [a for a in sdpa[0].args[:3]]
                 for arg in qkv:
-                    self.assertTrue(arg.name in hooked or any(u.name in hooked for u in arg.users) or
-                                    any(a.name in hooked for a in arg.all_input_nodes), (arg.name, hooked))
-                self.assertTrue(any(name in hooked for name in nodes if name.startswith("getitem")) or
-                                any("detach" in name for name in hooked), hooked)
+                    self.assertTrue(
+                        arg.name in hooked
+                        or any(u.name in hooked for u in arg.users)
+                        or any(a.name in hooked for a in arg.all_input_nodes),
+                        (arg.name, hooked),
+                    )
+                self.assertTrue(
+                    any(name in hooked for name in nodes if name.startswith("getitem")) or any("detach" in name for name in hooked), hooked
+                )
 
     def test_reason_names_the_reader_and_argument(self, device):
         seen = []
@@ -112,16 +116,20 @@ class TestAllowlistCompiled(TestCase):
             seen.append(info)
             return numerics_safe(info)
 
-        run(torch.compile(attention, backend="aot_eager", fullgraph=True), attention_inputs(device),
-            select(*fp8_rowwise(where=None), where=where))
+        run(
+            torch.compile(attention, backend="aot_eager", fullgraph=True),
+            attention_inputs(device),
+            select(*fp8_rowwise(where=None), where=where),
+        )
         lse = [i for i in seen if i.producer and i.producer.startswith("getitem:1 of")]
         self.assertEqual([i.tolerance for i in lse], ["exact"])
         self.assertIn("statistics", lse[0].why)
         q = [i for i in seen if i.readers and any("[query]" in r for r in i.readers)]
         self.assertEqual([i.tolerance for i in q], [numerics.ATTENTION_QK])
         # A linear layer's input meets the gradient in x^T @ dy, a parameter's gradient: fp8.
-        weights = [i for i in seen if i.readers and all(r.startswith(("aten.mm", "aten.view", "aten.t.", "aten.permute"))
-                                                         for r in i.readers)]
+        weights = [
+            i for i in seen if i.readers and all(r.startswith(("aten.mm", "aten.view", "aten.t.", "aten.permute")) for r in i.readers)
+        ]
         self.assertTrue(weights, [(i.name, i.readers) for i in seen])
         self.assertEqual({i.tolerance for i in weights}, {"fp8"})
 
@@ -200,21 +208,25 @@ class TestAllowlistCompiled(TestCase):
         gen = torch.Generator().manual_seed(0)
         args = [torch.randn(32, 16, generator=gen).to(device)] + [torch.randn(16, 16, generator=gen).to(device) for _ in range(2)]
         seen = []
-        run(torch.compile(rope, backend="aot_eager", fullgraph=True), args,
-            select(*bf16(where=None), where=lambda i: seen.append(i) or numerics_safe(i, "bf16")))
+        run(
+            torch.compile(rope, backend="aot_eager", fullgraph=True),
+            args,
+            select(*bf16(where=None), where=lambda i: seen.append(i) or numerics_safe(i, "bf16")),
+        )
         angles = [i for i in seen if i.readers and any(r.startswith("aten.cos") for r in i.readers)]
         self.assertEqual([i.tolerance for i in angles], ["exact"])
 
     def test_otherwise_takes_what_tolerates_only_bf16(self, device):
         # With attention's query and key marked bf16-only, fp8_rowwise(otherwise=bf16())
         # stores them in bf16 and everything else it may in fp8.
-        entry = {"aten::_scaled_dot_product_flash_attention_for_cpu_backward": {"query": "bf16", "key": "bf16"},
-                 "aten::_scaled_dot_product_efficient_attention_backward": {"query": "bf16", "key": "bf16"},
-                 "aten::_scaled_dot_product_flash_attention_backward": {"query": "bf16", "key": "bf16"}}
+        entry = {
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward": {"query": "bf16", "key": "bf16"},
+            "aten::_scaled_dot_product_efficient_attention_backward": {"query": "bf16", "key": "bf16"},
+            "aten::_scaled_dot_product_flash_attention_backward": {"query": "bf16", "key": "bf16"},
+        }
         with tp_config.patch(numerics_allowlist=entry):
             rec = AotEagerAndRecordGraphs()
-            run(torch.compile(attention, backend=rec, fullgraph=True), attention_inputs(device),
-                fp8_rowwise(otherwise=bf16()))
+            run(torch.compile(attention, backend=rec, fullgraph=True), attention_inputs(device), fp8_rowwise(otherwise=bf16()))
         fw = rec.fw_graphs[0]
         packed = {}
         for n in fw.graph.nodes:
@@ -273,9 +285,15 @@ class TestAllowlistRules(TestCase):
         aten = torch.ops.aten
         bounded = {
             "-x^2": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.exp.default(aten.mul.Tensor(aten.mul.Tensor(x, x), -0.5))),
-            "-x^2 (pow)": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.exp.default(aten.neg.default(aten.pow.Tensor_Scalar(x, 2)))),
-            "logistic": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.div.Tensor(x, aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))),
-            "sigmoid": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.reciprocal.default(aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))),
+            "-x^2 (pow)": lambda x, tangents_1: aten.mul.Tensor(
+                tangents_1, aten.exp.default(aten.neg.default(aten.pow.Tensor_Scalar(x, 2)))
+            ),
+            "logistic": lambda x, tangents_1: aten.mul.Tensor(
+                tangents_1, aten.div.Tensor(x, aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))
+            ),
+            "sigmoid": lambda x, tangents_1: aten.mul.Tensor(
+                tangents_1, aten.reciprocal.default(aten.add.Tensor(aten.exp.default(aten.neg.default(x)), 1))
+            ),
         }
         for name, fn in bounded.items():
             found = self.level(fn)
@@ -285,7 +303,9 @@ class TestAllowlistRules(TestCase):
             "not inverted": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.mul.Tensor(aten.add.Tensor(aten.exp.default(x), 1), x)),
             "+x^2": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.exp.default(aten.mul.Tensor(aten.mul.Tensor(x, x), 0.5))),
             "linear exponent": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.exp.default(aten.mul.Tensor(x, -0.5))),
-            "logits (sub, exp)": lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.exp.default(aten.sub.Tensor(x, aten.amax.default(x, [-1], True)))),
+            "logits (sub, exp)": lambda x, tangents_1: aten.mul.Tensor(
+                tangents_1, aten.exp.default(aten.sub.Tensor(x, aten.amax.default(x, [-1], True)))
+            ),
         }
         for name, fn in amplifying.items():
             found = self.level(fn)
@@ -294,6 +314,7 @@ class TestAllowlistRules(TestCase):
 
     def test_pow_roots_inverses_division(self, device):
         aten = torch.ops.aten
+
         def power(p):
             return lambda x, tangents_1: aten.mul.Tensor(tangents_1, aten.pow.Tensor_Scalar(x, p))
 
@@ -345,14 +366,21 @@ class TestAllowlistRules(TestCase):
                     self.assertTrue(arg in names or not names, (key, arg, sorted(names)))
 
 
-
 class TestStorageLevels(TestCase):
     """``numerics_safe`` and the ready-made pairs: which storage each asks for."""
 
     def test_numerics_safe_levels_and_size(self, device):
         def info(**kw):
-            base = dict(name="t", producer="aten.mm.default", dtype=torch.float32, shape=(64, 64), nbytes=16384,
-                        backward_consumers=("aten.mm.default",), is_input=False, scope="ambient")
+            base = dict(
+                name="t",
+                producer="aten.mm.default",
+                dtype=torch.float32,
+                shape=(64, 64),
+                nbytes=16384,
+                backward_consumers=("aten.mm.default",),
+                is_input=False,
+                scope="ambient",
+            )
             base.update(kw)
             return SavedTensorInfo(**base)
 

@@ -28,14 +28,13 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_patches.config as tp_config
-from torch_patches.hooks import chain, cpu_offload, fp8_rowwise, is_inlineable
-from torch_patches.hooks import offload as offload_mod
+from torch_patches.hooks import chain, cpu_offload, fp8_rowwise, is_inlineable, offload as offload_mod
 from torch_patches.testing import (
     HAS_CUDA,
     AotEagerAndRecordGraphs,
@@ -44,7 +43,6 @@ from torch_patches.testing import (
     hook_nodes,
     instantiate_device_type_tests,
 )
-
 
 ops = torch.ops.saved_tensors_hooks
 
@@ -177,8 +175,9 @@ class TestOffloadOps(TestCase):
             with self.subTest(mode=mode):
                 gm = make_fx(lambda t: unpack(pack(t)), tracing_mode=mode)(x)
                 targets = [
-                    n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in
-                    (ops.offload.default, ops.reload_start.default, ops.reload_wait.default)
+                    n.target
+                    for n in gm.graph.nodes
+                    if n.op == "call_function" and n.target in (ops.offload.default, ops.reload_start.default, ops.reload_wait.default)
                 ]
                 self.assertEqual(
                     targets,
@@ -199,9 +198,7 @@ class TestOffloadOps(TestCase):
         # reload_wait consumes its ticket, so opcheck (which calls an op repeatedly) checks
         # reload_start only, and not its output *values* (a new ticket per call); the pair
         # is checked by the round trips above.
-        torch.library.opcheck(
-            ops.reload_start.default, (cpu, x.device), test_utils=("test_schema", "test_faketensor")
-        )
+        torch.library.opcheck(ops.reload_start.default, (cpu, x.device), test_utils=("test_schema", "test_faketensor"))
 
     def test_factory_is_inlineable_and_stable(self, device: str) -> None:
         from torch_patches._functorch._aot_autograd.hook_identity import hooks_guard_key
@@ -242,7 +239,9 @@ class TestOffloadCompiled(TestCase):
         # offloaded right after their last forward use. Backward: each reload_wait sits right
         # before the first use, its reload_start 3 nodes earlier (reload_prefetch_distance,
         # capped by the placeholders for mm_1); relu's copy overlaps mul, t's and two mms.
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_w1: "f32[8, 8]", primals_w2: "f32[8, 8]", primals_x: "f32[8, 8]"):
         mm: "f32[8, 8]" = torch.ops.aten.mm.default(primals_x, primals_w1)
@@ -258,8 +257,11 @@ class GraphModule(torch.nn.Module):
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(primals_w2);  primals_w2 = None
         t_2: "f32[8, 8]" = torch.ops.aten.t.default(primals_x);  primals_x = None
         t_3: "f32[8, 8]" = torch.ops.aten.t.default(primals_w1);  primals_w1 = None
-        return (sum_1, relu_packed, mm_1_packed, t_packed, t_1, t_2, t_3)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (sum_1, relu_packed, mm_1_packed, t_packed, t_1, t_2, t_3)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, relu_packed: "f32[8, 8]", mm_1_packed: "f32[8, 8]", t_packed: "f32[8, 8]", t_1: "f32[8, 8]", t_2: "f32[8, 8]", t_3: "f32[8, 8]", tangents_1: "f32[]"):
         reload_start_default: "i64[]" = torch.ops.saved_tensors_hooks.reload_start.default(mm_1_packed, device(type='DEVICE'), [8, 1])  # unpack(mm_1)
@@ -281,7 +283,8 @@ class GraphModule(torch.nn.Module):
         threshold_backward: "f32[8, 8]" = torch.ops.aten.threshold_backward.default(mul_1, detach_1, 0);  mul_1 = detach_1 = None
         mm_2: "f32[8, 8]" = torch.ops.aten.mm.default(t_2, threshold_backward);  t_2 = None
         mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(threshold_backward, t_3);  threshold_backward = t_3 = None
-        return (mm_2, mm, mm_3)""")
+        return (mm_2, mm, mm_3)""",
+        )
 
     def unpack_order(self, rec: AotEagerAndRecordGraphs) -> dict[str, tuple[int, int]]:
         """saved name -> (index of its last reload_start, index of its first reload_wait)."""
@@ -441,9 +444,7 @@ class GraphModule(torch.nn.Module):
         # Not compiled: the pair runs as ordinary saved-tensor hooks.
         inputs = mlp_inputs(device)
         self.assertGradsEqual(grads_of(mlp, inputs, cpu_offload()), grads_of(mlp, inputs), exact=True)
-        self.assertGradsEqual(
-            grads_of(mlp, inputs, offload_chain()), grads_of(mlp, inputs, fp8_rowwise()), exact=True
-        )
+        self.assertGradsEqual(grads_of(mlp, inputs, offload_chain()), grads_of(mlp, inputs, fp8_rowwise()), exact=True)
 
 
 @unittest.skipIf(not HAS_CUDA, "no CUDA device")
@@ -484,10 +485,7 @@ class TestOffloadCUDA(TestCase):
         # Copies of 16 MiB take long enough for any kernel Inductor let write an offloaded
         # buffer (reuse, in place: the fused gelu after mm) to overwrite it mid-copy.
         gen = torch.Generator().manual_seed(0)
-        inputs = [
-            (torch.randn(s, generator=gen) / s[0] ** 0.5).cuda().requires_grad_()
-            for s in [(2048, 2048)] * 4
-        ]
+        inputs = [(torch.randn(s, generator=gen) / s[0] ** 0.5).cuda().requires_grad_() for s in [(2048, 2048)] * 4]
         torch._dynamo.reset()
         ref = grads_of(torch.compile(mlp, backend="inductor", fullgraph=True), inputs)
         torch._dynamo.reset()

@@ -31,8 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_patches.config as tp_config
 from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED
-from torch_patches.hooks import budget, cpu_offload
-from torch_patches.hooks import offload as offload_ops
+from torch_patches.hooks import budget, cpu_offload, offload as offload_ops
 from torch_patches.testing import TestCase, instantiate_device_type_tests, saved_tensor_records
 
 
@@ -257,11 +256,11 @@ class TestReloadsAheadLlama(TestCase):
         try:
             from torch_patches.testing.models import causal_lm_loss, decoder_layers, hf_llama
         except ImportError:
-            raise unittest.SkipTest("needs transformers")
+            raise unittest.SkipTest("needs transformers") from None
         try:
             lm = hf_llama(vocab=256, dim=64, layers=3, heads=2, seq=32).to(device)
         except ImportError:
-            raise unittest.SkipTest("needs transformers")
+            raise unittest.SkipTest("needs transformers") from None
         model = causal_lm_loss(lm)
         layers = decoder_layers(lm)
         for layer in layers:
@@ -291,8 +290,10 @@ def copy_engine_everywhere() -> Any:
     choices are tested without a GPU."""
     from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner
 
-    with unittest.mock.patch.object(cost_model, "copy_engine", lambda device: True), \
-            unittest.mock.patch.object(planner, "copy_engine", lambda device: True):
+    with (
+        unittest.mock.patch.object(cost_model, "copy_engine", lambda device: True),
+        unittest.mock.patch.object(planner, "copy_engine", lambda device: True),
+    ):
         yield
 
 
@@ -360,7 +361,9 @@ class TestBudgetPricesReloadsAhead(TestCase):
             report = torch_patches.report(step, budget=0.3)
         table = report.table()
         self.assertIn("budget plans, per graph:", table)
-        self.assertRegex(table, r"offload copies [0-9.]+ ms: [0-9.]+ ms hidden by compute, 0\.000 ms exposed; \d+ B of the next graph's reloads")
+        self.assertRegex(
+            table, r"offload copies [0-9.]+ ms: [0-9.]+ ms hidden by compute, 0\.000 ms exposed; \d+ B of the next graph's reloads"
+        )
 
 
 class TestLossInThePlan(TestCase):
@@ -374,7 +377,7 @@ class TestLossInThePlan(TestCase):
 
             lm = hf_llama(vocab=2048, dim=64, layers=2, heads=2, seq=64).to(device)
         except ImportError:
-            raise unittest.SkipTest("needs transformers")
+            raise unittest.SkipTest("needs transformers") from None
         ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
         return lm, causal_lm_loss(lm), ids
 
@@ -393,7 +396,9 @@ class TestLossInThePlan(TestCase):
         compile_per_layer(lm, backend="aot_eager", loss=True)
         found = self.plans(lambda: model(ids))
         logits = [
-            (c, p) for c in found for p in c.plans
+            (c, p)
+            for c in found
+            for p in c.plans
             if any(r.shape[-1] == 2048 and r.nbytes >= 2 * 64 * 2048 * 4 for r in c.records if r.name in p.options())
         ]
         self.assertEqual(len(logits), 1, "one graph saves the logits: the loss's")

@@ -11,7 +11,6 @@ import torch
 from torch._dynamo.test_case import run_tests
 from torch.testing._internal.two_tensor import TwoTensor
 
-from torch_patches.testing._internal.saved_tensors_hooks_fixtures import RowScaled, exact_scaled_pack, row_scaled_pack, row_scaled_unpack
 from torch_patches.hooks import inlineable
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
@@ -19,6 +18,7 @@ from torch_patches.testing import (
     hook_nodes,
     instantiate_device_type_tests,
 )
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import RowScaled, exact_scaled_pack, row_scaled_pack, row_scaled_unpack
 
 
 def layer(x, w):
@@ -75,9 +75,7 @@ class TestPackedSubclasses(TestCase):
 
         self.assertLessEqual(err(compiled), 1.5 * err(eager))
         self.assertGreater(err(compiled), 0)  # it did compress
-        dtypes = {
-            n.meta["val"].dtype for n in rec.bw_graphs[0].graph.find_nodes(op="placeholder") if "_packed_" in n.name
-        }
+        dtypes = {n.meta["val"].dtype for n in rec.bw_graphs[0].graph.find_nodes(op="placeholder") if "_packed_" in n.name}
         self.assertEqual(dtypes, {torch.bfloat16, torch.float32})  # bf16 rows, f32 scales
 
     def test_nested_subclass_dynamic_shapes(self, device):

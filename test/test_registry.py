@@ -24,7 +24,6 @@ from torch_patches._registry import install
 from torch_patches._registry.patches import PATCHES
 from torch_patches.testing import TestCase
 
-
 SUPPORTED_MINORS = [f"2.{m}" for m in range(11, 16)]
 
 
@@ -61,6 +60,7 @@ def _bad_effect():
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 class TestRecords(TestCase):
     apply_patches = False
@@ -317,10 +317,7 @@ class TestRefusal(TestCase):
             self._assert_nothing_patched(originals)
 
     def _with_drift(self, name):
-        drifted = [
-            dataclasses.replace(p, fingerprints={"2.13": "0" * 16}) if p.name == name else p
-            for p in PATCHES
-        ]
+        drifted = [dataclasses.replace(p, fingerprints={"2.13": "0" * 16}) if p.name == name else p for p in PATCHES]
         return mock.patch.object(install, "_registered", return_value=tuple(drifted))
 
     def test_refuses_on_fingerprint_drift(self):
@@ -443,9 +440,7 @@ class TestCli(TestCase):
     apply_patches = False
 
     def test_status_command(self):
-        out = subprocess.run(
-            [sys.executable, "-m", "torch_patches", "status"], capture_output=True, text=True
-        )
+        out = subprocess.run([sys.executable, "-m", "torch_patches", "status"], capture_output=True, text=True)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         for p in PATCHES:
             self.assertIn(p.name, out.stdout)

@@ -12,11 +12,9 @@ import torch._functorch.config as functorch_config
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torch_patches import config as tp_config
-from torch_patches.hooks import SavedTensorInfo, bf16, fp8_rowwise, numerics_safe, select
+from torch_patches.hooks import bf16, fp8_rowwise, select
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
-    SavedTensorsHookError,
     TestCase,
     hook_nodes,
     instantiate_device_type_tests,
@@ -60,9 +58,7 @@ class TestSelect(TestCase):
                 rec = AotEagerAndRecordGraphs()
                 ours = rel_err(grads(torch.compile(rope, backend=rec, fullgraph=True), args, factory()), ref)
                 torch._dynamo.reset()
-                everything = rel_err(
-                    grads(torch.compile(rope, backend="aot_eager", fullgraph=True), args, factory(where=None)), ref
-                )
+                everything = rel_err(grads(torch.compile(rope, backend="aot_eager", fullgraph=True), args, factory(where=None)), ref)
                 # Compressing the angles costs far more than the rest; the default does not.
                 self.assertLessEqual(ours, 1.5 * eager, (ours, eager, everything))
                 self.assertGreater(everything, 10 * ours, (ours, eager, everything))

@@ -80,7 +80,6 @@ import contextlib
 import itertools
 import tempfile
 import threading
-import unittest
 import warnings
 from contextlib import ExitStack
 from unittest import mock
@@ -101,15 +100,14 @@ from torch.testing._internal.common_utils import parametrize
 
 import torch_patches.config as tp_config
 from torch_patches.hooks import inlineable
-from torch_patches.testing._internal.saved_tensors_hooks_fixtures import check_placed_at_use
 from torch_patches.testing import (
-    AotEagerAndRecordGraphs,
     TORCH_VERSION,
+    AotEagerAndRecordGraphs,
     TestCase,
     hook_nodes,
     instantiate_device_type_tests,
 )
-
+from torch_patches.testing._internal.saved_tensors_hooks_fixtures import check_placed_at_use
 
 # ----------------------------------------------------------------------------- hooks
 #
@@ -551,11 +549,7 @@ class TestAOTDispatchHooks(TestCase):
             return x
 
         def run(cnt, hooks=None):
-            ctx = (
-                torch.autograd.graph.saved_tensors_hooks(*hooks)
-                if hooks
-                else contextlib.nullcontext()
-            )
+            ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
             with ctx:
                 torch.compile(fn, backend=cnt, fullgraph=True)(inp_fn()).sum().backward()
 
@@ -585,9 +579,8 @@ class TestAOTDispatchHooks(TestCase):
 
     @functorch_config.patch(donated_buffer=True, saved_tensors_hooks_filtering_mode="no_static")
     def test_saved_tensors_hooks_donated_buffers(self, device):
-        pack_gm, unpack_gm = graph_hooks(
-            pack_fp8, unpack_fp8, cache_hash=("pack_hash", "unpack_hash")
-        )
+        pack_gm, unpack_gm = graph_hooks(pack_fp8, unpack_fp8, cache_hash=("pack_hash", "unpack_hash"))
+
         def fn(x):
             x0 = x
             x = SaveX.apply(x)
@@ -597,11 +590,7 @@ class TestAOTDispatchHooks(TestCase):
             torch._dynamo.reset()
             rec = AotEagerAndRecordGraphs()
             inp = torch.rand([3, 3], device=device, requires_grad=True)
-            ctx = (
-                torch.autograd.graph.saved_tensors_hooks(*hooks)
-                if hooks
-                else contextlib.nullcontext()
-            )
+            ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
             with ctx:
                 out = torch.compile(fn, backend=rec, fullgraph=True, dynamic=False)(inp)
                 out[1].sum().backward()
@@ -616,7 +605,9 @@ class TestAOTDispatchHooks(TestCase):
         self.assertEqual(found, [[0, 1]])
         # Differs from upstream (no goldens): each pack right after its tensor's last forward
         # use, each unpack right before its first backward use.
-        self.assertExpectedGraph(rec.fw_graphs[0], """\
+        self.assertExpectedGraph(
+            rec.fw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x: "f32[3, 3]"):
         view: "f32[3, 3]" = torch.ops.aten.view.default(primals_x, [3, 3])
@@ -625,15 +616,19 @@ class GraphModule(torch.nn.Module):
         detach: "f32[3, 3]" = torch.ops.aten.detach.default(relu)
         detach_1: "f32[3, 3]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_1_packed: "f8e5m2[3, 3]" = torch.ops.aten._to_copy.default(detach_1, dtype = torch.float8_e5m2);  detach_1 = None  # pack(detach_1)
-        return (relu, primals_x_packed, detach_1_packed)""")
-        self.assertExpectedGraph(rec.bw_graphs[0], """\
+        return (relu, primals_x_packed, detach_1_packed)""",
+        )
+        self.assertExpectedGraph(
+            rec.bw_graphs[0],
+            """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_x_packed: "f8e5m2[3, 3]", detach_1_packed: "f8e5m2[3, 3]", tangents_1: "f32[3, 3]"):
         detach_1_unpacked: "f32[3, 3]" = torch.ops.aten._to_copy.default(detach_1_packed, dtype = torch.float32);  detach_1_packed = None  # unpack(detach_1)
         threshold_backward: "f32[3, 3]" = torch.ops.aten.threshold_backward.default(tangents_1, detach_1_unpacked, 0);  tangents_1 = detach_1_unpacked = None
         primals_x_unpacked: "f32[3, 3]" = torch.ops.aten._to_copy.default(primals_x_packed, dtype = torch.float32);  primals_x_packed = None  # unpack(primals_x)
         add: "f32[3, 3]" = torch.ops.aten.add.Tensor(threshold_backward, primals_x_unpacked);  threshold_backward = primals_x_unpacked = None
-        return (add)""")
+        return (add)""",
+        )
 
     def _context_run(self, device):
         HOOK_CONTEXTS.clear()
@@ -681,9 +676,7 @@ class TestAOTAutogradCacheHooks(TestCase):
         super().setUp()
         stack = ExitStack()
         self.addCleanup(stack.close)
-        stack.enter_context(
-            inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False)
-        )
+        stack.enter_context(inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=True))
         from torch._inductor.utils import fresh_cache
 
@@ -780,9 +773,7 @@ class TestAOTAutogradCacheHooks(TestCase):
             return x
 
         def hooks(user_hash):
-            return graph_hooks(
-                pack_fp8_with_scale, unpack_fp8_with_scale, cache_hash=(user_hash, user_hash)
-            )
+            return graph_hooks(pack_fp8_with_scale, unpack_fp8_with_scale, cache_hash=(user_hash, user_hash))
 
         f = torch.compile(fn, backend="inductor", fullgraph=True)
         self.run_step(f, inp_fn)
@@ -942,9 +933,7 @@ class TestCompiledAutogradUnpackHooks(TestCase):
             torch.manual_seed(123)
             with (
                 compiled_autograd._enable(compiler_fn),
-                mock.patch(
-                    "torch._functorch.aot_autograd.AOT_COUNTER", new_callable=itertools.count
-                ),
+                mock.patch("torch._functorch.aot_autograd.AOT_COUNTER", new_callable=itertools.count),
             ):
                 actual = list(fn())
         self.assertEqual(expected, actual)
@@ -1018,12 +1007,12 @@ class TestCompiledAutogradUnpackHooks(TestCase):
                     yield x.grad
 
         graphs = []
-        self.check_output_and_recompiles(
-            fn, count=[1, 1], compiler_fn=make_ca_compiler_fn(gm_hook=graphs.append)
-        )
+        self.check_output_and_recompiles(fn, count=[1, 1], compiler_fn=make_ca_compiler_fn(gm_hook=graphs.append))
         # compiled autograd's graph differs across torch versions (not ours)
         if TORCH_VERSION >= (2, 13):
-            self.assertExpectedGraph(graphs[-1], """\
+            self.assertExpectedGraph(
+                graphs[-1],
+                """\
 class CompiledAutograd0(torch.nn.Module):
     def forward(self, inputs, sizes, scalars, hooks, packed_data):
         getitem = inputs[0]
@@ -1046,9 +1035,12 @@ class CompiledAutograd0(torch.nn.Module):
         getitem_12 = validate_outputs_2[0];  validate_outputs_2 = None
         call_accumulate_grad = torch__dynamo_external_utils_call_accumulate_grad(getitem_1, None, getitem_12, False);  getitem_1 = getitem_12 = call_accumulate_grad = None
         _exec_final_callbacks_stub = torch__dynamo_external_utils__exec_final_callbacks_stub();  _exec_final_callbacks_stub = None
-        return []""")
+        return []""",
+            )
         else:
-            self.assertExpectedGraph(graphs[-1], """\
+            self.assertExpectedGraph(
+                graphs[-1],
+                """\
 class CompiledAutograd0(torch.nn.Module):
     def forward(self, inputs, sizes, scalars, hooks, packed_data):
         getitem = inputs[0]
@@ -1071,7 +1063,8 @@ class CompiledAutograd0(torch.nn.Module):
         getitem_12 = validate_outputs_2[0];  validate_outputs_2 = None
         call_accumulate_grad = torch__dynamo_external_utils_call_accumulate_grad(getitem_1, getitem_12, False);  getitem_1 = getitem_12 = call_accumulate_grad = None
         _exec_final_callbacks_stub = torch__dynamo_external_utils__exec_final_callbacks_stub();  _exec_final_callbacks_stub = None
-        return []""")
+        return []""",
+            )
 
     # Differs from upstream: CPU there, every device here; compiled autograd compiles with
     # aot_eager (inductor upstream).
@@ -1116,7 +1109,9 @@ class CompiledAutograd0(torch.nn.Module):
             )
             # compiled autograd's graph differs across torch versions (not ours)
             if TORCH_VERSION >= (2, 13):
-                self.assertExpectedGraph(graphs[-1], """\
+                self.assertExpectedGraph(
+                    graphs[-1],
+                    """\
 class CompiledAutograd0(torch.nn.Module):
     def forward(self, inputs, sizes, scalars, hooks, packed_data):
         getitem = inputs[0]
@@ -1139,9 +1134,12 @@ class CompiledAutograd0(torch.nn.Module):
         getitem_12 = validate_outputs_2[0];  validate_outputs_2 = None
         call_accumulate_grad = torch__dynamo_external_utils_call_accumulate_grad(getitem_1, None, getitem_12, False);  getitem_1 = getitem_12 = call_accumulate_grad = None
         _exec_final_callbacks_stub = torch__dynamo_external_utils__exec_final_callbacks_stub();  _exec_final_callbacks_stub = None
-        return []""")
+        return []""",
+                )
             else:
-                self.assertExpectedGraph(graphs[-1], """\
+                self.assertExpectedGraph(
+                    graphs[-1],
+                    """\
 class CompiledAutograd0(torch.nn.Module):
     def forward(self, inputs, sizes, scalars, hooks, packed_data):
         getitem = inputs[0]
@@ -1164,7 +1162,8 @@ class CompiledAutograd0(torch.nn.Module):
         getitem_12 = validate_outputs_2[0];  validate_outputs_2 = None
         call_accumulate_grad = torch__dynamo_external_utils_call_accumulate_grad(getitem_1, getitem_12, False);  getitem_1 = getitem_12 = call_accumulate_grad = None
         _exec_final_callbacks_stub = torch__dynamo_external_utils__exec_final_callbacks_stub();  _exec_final_callbacks_stub = None
-        return []""")
+        return []""",
+                )
 
     # Ours: the forward compiled with GraphModule hooks, the backward under compiled autograd.
     # The AOT backward that compiled autograd traces carries the inlined unpack, placed before

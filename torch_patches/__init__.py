@@ -14,20 +14,19 @@ Importing this package changes nothing in torch; :func:`apply` patches (all or n
 
 from torch_patches._errors import SavedTensorsHookConfigError, SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches._registry import (
+    SUPPORTED_TORCH,
     Patch,
     PatchError,
     PatchStatus,
-    SUPPORTED_TORCH,
     UnapplyError,
-    apply,
     applied_patches,
+    apply,
     get_original,
     installed_effects,
     is_applied,
     status,
     unapply,
 )
-
 
 __version__ = "0.1.0"
 
@@ -45,6 +44,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(memory_report, name)
     raise AttributeError(f"module 'torch_patches' has no attribute {name!r}")
+
 
 __all__ = [
     "MemoryReport",

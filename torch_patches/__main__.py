@@ -19,9 +19,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in records], indent=2))
         return 0
-    print(f"torch {torch.__version__}; supported {'%d.%d' % torch_patches.SUPPORTED_TORCH[0]}"
-          f" to {'%d.%d' % torch_patches.SUPPORTED_TORCH[1]}; applied in this process: "
-          f"{'yes' if torch_patches.is_applied() else 'no'}")
+    low, high = ("{}.{}".format(*v) for v in torch_patches.SUPPORTED_TORCH)
+    print(f"torch {torch.__version__}; supported {low} to {high}; applied in this process: {'yes' if torch_patches.is_applied() else 'no'}")
     header = f"{'patch':45s} {'band':9s} {'fingerprint':18s} {'ok':3s} target"
     print(header)
     print("-" * len(header))
@@ -35,8 +34,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"  problem: {r.problem}")
     bad = [r for r in records if not (r.fingerprint_ok and r.in_band)]
     if bad:
-        print(f"\n{len(bad)} patch(es) cannot apply on this torch: "
-              + ", ".join(f"{r.name} ({r.problem})" for r in bad))
+        print(f"\n{len(bad)} patch(es) cannot apply on this torch: " + ", ".join(f"{r.name} ({r.problem})" for r in bad))
         return 1
     return 0
 
@@ -56,9 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pack, unpack = bench.cast_hooks(torch.bfloat16)
     pack_gm, unpack_gm = torch.fx.symbolic_trace(pack), torch.fx.symbolic_trace(unpack)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
-    ).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(device)
     recorder = AotEagerAndRecordGraphs()
     compiled = torch.compile(model, backend=recorder)
     x = torch.randn(8, 16, device=device, requires_grad=True)
@@ -188,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
     p.add_argument("--hook", default="bf16", choices=("bf16", "fp8"))
-    p = sub.add_parser("bench", help="peak memory and step time of one training step, with hooks and without",
-                       description=(bench.__doc__ or "").splitlines()[0])
+    p = sub.add_parser(
+        "bench",
+        help="peak memory and step time of one training step, with hooks and without",
+        description=(bench.__doc__ or "").splitlines()[0],
+    )
     _bench_arguments(p)
     p = sub.add_parser("report", help="where one training step's activation memory goes, per saved tensor")
     p.add_argument("--model", required=True, choices=("llama", "gpt2", "vit", "mlp8"), help="a built-in model (small, random init)")

@@ -22,10 +22,7 @@ import os
 from torch._logging._internal import register_artifact
 
 ARTIFACT = "torch_patches"
-_DESCRIPTION = (
-    "torch_patches: saved-tensor hook inlining decisions, placements and the "
-    "forward/backward graphs after inlining"
-)
+_DESCRIPTION = "torch_patches: saved-tensor hook inlining decisions, placements and the forward/backward graphs after inlining"
 
 
 def register() -> None:
@@ -36,11 +33,7 @@ def register() -> None:
         return
     register_artifact(ARTIFACT, _DESCRIPTION, off_by_default=True)
     # TORCH_LOGS is parsed when torch is imported, before this artifact existed.
-    names = {
-        name.strip().lstrip("+-")
-        for name in os.environ.get("TORCH_LOGS", "").split(",")
-        if name.strip()
-    }
+    names = {name.strip().lstrip("+-") for name in os.environ.get("TORCH_LOGS", "").split(",") if name.strip()}
     if ARTIFACT in names:
         _internal.log_state.enable_artifact(ARTIFACT)
 

@@ -18,13 +18,10 @@ import sys
 
 from torch.utils._config_module import Config, install_config_module
 
-
 # What apply() does when the upstream function a patch was written against no longer
 # matches its recorded fingerprint. "error" (default): refuse, patch nothing.
 # "warn": apply anyway and warn once per patch -- for experiments on new torch builds.
-fingerprint_drift: str = Config(
-    default="error", env_name_force="TORCH_PATCHES_FINGERPRINT_DRIFT"
-)
+fingerprint_drift: str = Config(default="error", env_name_force="TORCH_PATCHES_FINGERPRINT_DRIFT")
 
 # Where inlined saved-tensor hooks are placed in the AOT graphs.
 #  "use" (default): each pack right after its saved tensor's last forward use, each

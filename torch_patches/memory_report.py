@@ -34,8 +34,18 @@ __all__ = ["FIELDS", "MemoryReport", "report"]
 
 #: The columns of :attr:`MemoryReport.rows` (and of ``report.csv``).
 FIELDS = (
-    "graph", "module", "name", "op", "shape", "dtype", "bytes", "decision", "storage", "packed_bytes",
-    "device_bytes", "why",
+    "graph",
+    "module",
+    "name",
+    "op",
+    "shape",
+    "dtype",
+    "bytes",
+    "decision",
+    "storage",
+    "packed_bytes",
+    "device_bytes",
+    "why",
 )
 
 
@@ -161,7 +171,9 @@ class MemoryReport:
                 f"{share(p.budget_bytes)}, {met}; bounds {p.bounded_at}; est {p.estimated_ms:.3f} ms"
             )
             if p.predicted_peak_bytes is not None:
-                lines.append(f"    with the graphs' own tensors the step peaks at {_size(p.predicted_peak_bytes)}, at {p.predicted_peak_at}")
+                lines.append(
+                    f"    with the graphs' own tensors the step peaks at {_size(p.predicted_peak_bytes)}, at {p.predicted_peak_at}"
+                )
             lines.extend(f"    {head}" for head in p.loss_heads)
             if p.copies():
                 lines.append(f"    {p.copies()}")
@@ -301,8 +313,14 @@ def _draw_timeline(plt: Any, t: dict[str, Any], hooks: str, path: str) -> None:
         peak = t["peak"]
         ax.plot([peak], [t["with"][peak] / mib], "o", color="C3")
         label = "\n".join(f"{m or '(root)'} {name}: {b / mib:.1f} MiB" for m, name, b in t["at_peak"])
-        ax.annotate(f"peak {t['with'][peak] / mib:.1f} MiB\n{label}", (peak, t["with"][peak] / mib),
-                    textcoords="offset points", xytext=(10, -10), va="top", fontsize=8)
+        ax.annotate(
+            f"peak {t['with'][peak] / mib:.1f} MiB\n{label}",
+            (peak, t["with"][peak] / mib),
+            textcoords="offset points",
+            xytext=(10, -10),
+            va="top",
+            fontsize=8,
+        )
     ax.set_xlabel("forward nodes, then backward nodes (each graph in order)")
     ax.set_ylabel("saved tensors on the device, MiB (planned)")
     ax.set_title("Saved-tensor memory over the step (the planner's model)")
@@ -322,7 +340,7 @@ def _draw_pareto(plt: Any, p: dict[str, Any], hooks: str, path: str) -> None:
         ax.plot([b / mib for _, b, _ in points], [ms for _, _, ms in points], "o-", color=color, label=label)
         for f, b, ms in points:
             ax.annotate(f"{f:g}", (b / mib, ms), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
-    chosen = hooks[len("budget("):-1] if hooks.startswith("budget(") else None
+    chosen = hooks[len("budget(") : -1] if hooks.startswith("budget(") else None
     if chosen is not None:
         for f, b, ms in p["ours"]:
             if abs(f - float(chosen)) < 1e-6:

@@ -10,9 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from torch_patches._registry import install
-
 from tools.export_upstream._write import apply_to_overlay, knob_map, make_stack, run_export, write_out
+from torch_patches._registry import install
 
 #: Environment variable read by ``torch_patches.testing``: path of a config map; when
 #: set, tests run against upstream-form torch instead of calling ``torch_patches.apply()``.
@@ -67,7 +66,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def run_upstream_tests(
-    results, torch_root: str, workdir: str, tests: list[str], python: str = sys.executable,
+    results,
+    torch_root: str,
+    workdir: str,
+    tests: list[str],
+    python: str = sys.executable,
     extra_pytest_args: list[str] = (),
 ) -> subprocess.CompletedProcess:
     """Apply the stack to an overlay of ``torch_root`` in ``workdir``; run ``tests`` on it."""
@@ -82,7 +85,10 @@ def run_upstream_tests(
     env.pop("EXPECTTEST_ACCEPT", None)
     return subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra_pytest_args, *tests],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
 
 

@@ -70,18 +70,19 @@ class Emitter:
         self._dropped = dropped
         # Functions that get their own imports of other upstream modules (cycle-safe).
         owners: dict[int, ast.AST] = {}
-        fns = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else (
-            [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            if isinstance(node, ast.ClassDef) else []
+        fns = (
+            [node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            else (
+                [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] if isinstance(node, ast.ClassDef) else []
+            )
         )
         for fn in fns:
             for sub in ast.walk(fn):
                 if isinstance(sub, ast.Name) and sub not in fn.decorator_list:
                     owners[id(sub)] = fn
         for fn in fns:  # decorators, defaults and annotations run at import time
-            for part in [*fn.decorator_list, *fn.args.defaults, fn.returns, *(
-                a.annotation for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg] if a is not None
-            )]:
+            for part in _import_time_parts(fn):
                 for sub in ast.walk(part) if part is not None else ():
                     owners.pop(id(sub), None)
         self._local_needs = {}
@@ -151,15 +152,10 @@ class Emitter:
     def _local_import_edit(self, src: Source, fn: ast.AST, needs: dict[str, str]) -> Edit:
         body = fn.body  # type: ignore[attr-defined]
         first = body[0]
-        if (
-            isinstance(first, ast.Expr)
-            and isinstance(first.value, ast.Constant)
-            and isinstance(first.value.value, str)
-            and len(body) > 1
-        ):
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str) and len(body) > 1:
             first = body[1]
         # Not inside a statement that is not exported (it and its marker line go).
-        kept = [b for b in body[body.index(first):] if not any(s <= src.span(b)[0] < e for s, e in self._dropped)]
+        kept = [b for b in body[body.index(first) :] if not any(s <= src.span(b)[0] < e for s, e in self._dropped)]
         first = kept[0] if kept else first
         indent = " " * first.col_offset
         lines = [import_line(n, d).rstrip("\n") for n, d in sorted(needs.items(), key=import_key)]
@@ -327,10 +323,17 @@ def _string_constant(src: Source, name: str) -> str | None:
     if not isinstance(value, ast.Constant) or not isinstance(value.value, str):
         return None
     text = value.value
-    if any(c in text for c in "\"\\\n") or not text.isprintable():
+    if any(c in text for c in '"\\\n') or not text.isprintable():
         return repr(text)
     return f'"{text}"'
 
 
 def _local_names(fn: ast.AST) -> set[str]:
     return set(_local_bindings(fn, "").bound)
+
+
+def _import_time_parts(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST | None]:
+    """What of a function runs when its module is imported: decorators, defaults, annotations."""
+    args = fn.args
+    annotated = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    return [*fn.decorator_list, *args.defaults, fn.returns, *(a.annotation for a in annotated if a is not None)]

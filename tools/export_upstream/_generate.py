@@ -39,8 +39,6 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch_patches._registry import Effect, Patch
-
 from tools.export_upstream._git import check_applies, diff_blocks, unified_diff
 from tools.export_upstream._job import Job
 from tools.export_upstream._model import (
@@ -54,6 +52,7 @@ from tools.export_upstream._model import (
 )
 from tools.export_upstream._pysrc import ExportError, Source
 from tools.export_upstream._trees import Trees
+from torch_patches._registry import Effect, Patch
 
 
 class Exporter:
@@ -208,11 +207,16 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
         if not created:
             out.append(r)
             continue
-        created = _dependencies_first(created, module_of, r.after, lambda rel: (
-            rel.count("/") - rel.endswith("__init__.py"),
-            exporter.trees.import_rank(exporter.trees.new_module_sources[module_of[rel]]),
-            rel,
-        ))
+        created = _dependencies_first(
+            created,
+            module_of,
+            r.after,
+            lambda rel: (
+                rel.count("/") - rel.endswith("__init__.py"),
+                exporter.trees.import_rank(exporter.trees.new_module_sources[module_of[rel]]),
+                rel,
+            ),
+        )
         blocks = diff_blocks(r.diff)
         rest = [rel for rel in r.files if rel not in created]
         current = {rel: r.before[rel] for rel in rest}  # existing files as the Add commits leave them
@@ -220,10 +224,15 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
         for k, rel in enumerate(created):
             module = module_of[rel]
             add = PatchExport(
-                r.patch, r.number, files=[rel], diff=blocks[rel],
+                r.patch,
+                r.number,
+                files=[rel],
+                diff=blocks[rel],
                 added=[a for a in r.added if a.partition(":")[0] == module],
-                before={rel: ""}, after={rel: r.after[rel]},
-                module=module, source=exporter.trees.new_module_sources[module],
+                before={rel: ""},
+                after={rel: r.after[rel]},
+                module=module,
+                source=exporter.trees.new_module_sources[module],
             )
             # What the module uses of the patch's additions to existing files comes with it.
             assert r.stage is not None
@@ -243,10 +252,7 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
             taken.update(moved)
             out.append(add)
         r.files = [rel for rel in rest if current[rel] != r.after[rel]]
-        r.diff = "".join(
-            blocks[rel] if current[rel] == r.before[rel] else unified_diff(rel, current[rel], r.after[rel])
-            for rel in r.files
-        )
+        r.diff = "".join(blocks[rel] if current[rel] == r.before[rel] else unified_diff(rel, current[rel], r.after[rel]) for rel in r.files)
         r.added = [a for a in r.added if a.partition(":")[0] not in {module_of[c] for c in created} and a not in taken]
         r.before = {rel: current[rel] for rel in r.files}
         r.after = {rel: r.after[rel] for rel in r.files}
@@ -256,17 +262,15 @@ def split_new_modules(exporter: Exporter, results: Sequence[PatchExport]) -> lis
     return out
 
 
-def _dependencies_first(
-    rels: list[str], module_of: dict[str, str], texts: dict[str, str], key: Callable[[str], Any]
-) -> list[str]:
+def _dependencies_first(rels: list[str], module_of: dict[str, str], texts: dict[str, str], key: Callable[[str], Any]) -> list[str]:
     """The new files ``rels`` in an order where each comes after its package and after the
     new modules its text names (at import or in a function), else by ``key``."""
 
     def uses(a: str, b: str) -> bool:
         pkg, _, name = module_of[b].rpartition(".")
-        return (
-            rel_dir(a).startswith(rel_dir(b)) and b.endswith("__init__.py") and a != b
-        ) or bool(re.search(rf"\b{re.escape(module_of[b])}\b|\bfrom {re.escape(pkg)} import (?:\(\s*)?[^\n]*\b{name}\b", texts[a]))
+        return (rel_dir(a).startswith(rel_dir(b)) and b.endswith("__init__.py") and a != b) or bool(
+            re.search(rf"\b{re.escape(module_of[b])}\b|\bfrom {re.escape(pkg)} import (?:\(\s*)?[^\n]*\b{name}\b", texts[a])
+        )
 
     def rel_dir(rel: str) -> str:
         return rel.rpartition("/")[0] + "/"

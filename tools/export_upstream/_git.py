@@ -16,9 +16,7 @@ def git(*args: str, cwd: str, env: dict[str, str] | None = None, input: str | No
     """``git args`` in ``cwd`` (``env`` over the process's); its output, or RuntimeError."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run(
-        ["git", *args], cwd=cwd, env=full_env, input=input, capture_output=True, text=True
-    )
+    proc = subprocess.run(["git", *args], cwd=cwd, env=full_env, input=input, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout
@@ -43,7 +41,11 @@ def check_applies(diff: str, files: dict[str, str]) -> str | None:
                 f.write(text)
         proc = subprocess.run(
             ["git", "apply", "--check", "-"],
-            cwd=tmp, input=diff, capture_output=True, text=True, env=no_repo_env(tmp),
+            cwd=tmp,
+            input=diff,
+            capture_output=True,
+            text=True,
+            env=no_repo_env(tmp),
         )
         if proc.returncode != 0:
             return proc.stderr.strip() or f"git apply exited {proc.returncode}"

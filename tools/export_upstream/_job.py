@@ -14,8 +14,6 @@ from __future__ import annotations
 import ast
 import re
 
-from torch_patches._registry import Patch
-
 from tools.export_upstream._emit import Emitter
 from tools.export_upstream._model import StackState, is_tp
 from tools.export_upstream._place import ROOT, Placer, Workspace
@@ -23,6 +21,7 @@ from tools.export_upstream._pysrc import ExportError, Source, apply_edits, def_n
 from tools.export_upstream._render import render_file, stage_file
 from tools.export_upstream._trees import Trees
 from tools.fingerprints import fingerprint_of
+from torch_patches._registry import Patch
 
 
 class Job:
@@ -82,8 +81,7 @@ class Job:
         )
         if t_node is None:
             raise ExportError(
-                f"target {self.patch.target} is not defined in {self.trees.upstream_rel(self.t_module)} "
-                "(no such function or method)"
+                f"target {self.patch.target} is not defined in {self.trees.upstream_rel(self.t_module)} (no such function or method)"
             )
         self._check_fingerprint()
         r_src = self.trees.tp_source(self.r_module)
@@ -216,9 +214,9 @@ class Job:
         inner = body[0]
         param = params[0]
         # The original stays, renamed; the wrapper takes the target's name.
-        scope_names = {
-            n.name for n in (self._scope_body(src, owner_path)) if hasattr(n, "name")
-        } | (set(src.bindings) if not owner_path else set())
+        scope_names = {n.name for n in (self._scope_body(src, owner_path)) if hasattr(n, "name")} | (
+            set(src.bindings) if not owner_path else set()
+        )
         impl = f"_{attr.lstrip('_')}_impl"
         while impl in scope_names:
             impl += "_"
@@ -247,18 +245,11 @@ class Job:
             drop_decorators=drop,
         )
         text = reindent(text, inner.col_offset, indent)
-        descriptor = "".join(
-            f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod")
-        )
-        others = [
-            src.segment(d) or "?"
-            for d, k in zip(t_node.decorator_list, kinds)
-            if k not in ("staticmethod", "classmethod")
-        ]
+        descriptor = "".join(f"{indent}@{k}\n" for k in kinds if k in ("staticmethod", "classmethod"))
+        others = [src.segment(d) or "?" for d, k in zip(t_node.decorator_list, kinds) if k not in ("staticmethod", "classmethod")]
         if others:
             self.ws.notes.append(
-                f"decorators {', '.join('@' + o for o in others)} stay on {impl} only; check "
-                "whether the wrapper needs them"
+                f"decorators {', '.join('@' + o for o in others)} stay on {impl} only; check whether the wrapper needs them"
             )
         sep = "\n" if owner_path else "\n\n"
         return renamed_original + sep + descriptor + text

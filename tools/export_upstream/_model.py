@@ -11,10 +11,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch_patches._registry import Effect, Patch
-
 from tools.export_upstream._pysrc import ExportError, Source
-
+from torch_patches._registry import Effect, Patch
 
 TP = "torch_patches"
 #: Where knobs of torch_patches' config module go upstream.
@@ -28,9 +26,7 @@ KNOB_NAMES = {
 #: The line that makes a module a config module (ours and upstream's).
 CONFIG_MARK = "install_config_module(sys.modules[__name__])"
 #: Methods ``install_config_module`` gives a config module (not definitions of ours).
-CONFIG_MODULE_API = frozenset(
-    {"get_config_copy", "save_config", "save_config_portable", "get_hash", "patch", "load_config"}
-)
+CONFIG_MODULE_API = frozenset({"get_config_copy", "save_config", "save_config_portable", "get_hash", "patch", "load_config"})
 #: The proposed home of ``torch_patches.hooks`` (see ``_names.HOOKS_HOME``).
 HOOKS_PACKAGE = "torch.utils.saved_tensors_hooks"
 #: Name of the public-API commit (:meth:`Exporter.export_api`).
@@ -234,9 +230,6 @@ def api_patch(package: str, home: str, after: Sequence[str]) -> Patch:
         fingerprints={},
         after=tuple(after),
         tests=("test/test_hooks_library.py",),
-        measured=(
-            "`torch.utils.saved_tensors_hooks.bf16()` and the rest are importable from the package; "
-            "its modules are private"
-        ),
+        measured=("`torch.utils.saved_tensors_hooks.bf16()` and the rest are importable from the package; its modules are private"),
         risk="the package's names are public API from here on",
     )

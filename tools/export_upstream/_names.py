@@ -95,7 +95,4 @@ def upstream_names(
 
 def leftovers(text: str) -> list[str]:
     """Lines of exported text that still say ``torch_patches`` (the provenance line aside)."""
-    return [
-        line for line in text.splitlines()
-        if _TP in line and not line.lstrip("+- ").startswith(PROVENANCE)
-    ]
+    return [line for line in text.splitlines() if _TP in line and not line.lstrip("+- ").startswith(PROVENANCE)]

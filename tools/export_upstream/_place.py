@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-from torch_patches._registry import find_definition, fingerprint_source
-
 from tools.export_upstream._model import (
     CONFIG_HOME,
     CONFIG_MODULE_API,
@@ -22,7 +20,7 @@ from tools.export_upstream._model import (
 )
 from tools.export_upstream._pysrc import ExportError, Source, stmt_binds
 from tools.export_upstream._trees import Trees
-
+from torch_patches._registry import find_definition, fingerprint_source
 
 #: ``Workspace.edges``' key for the patch's replacement itself.
 ROOT = ("", "")
@@ -115,10 +113,7 @@ class Placer:
                 loc = self.place(mod, nm)
                 self.state.placed[key] = loc
                 return loc
-            raise ExportError(
-                f"{tp_module}.{name} is imported there from {b.dotted}; import it from where "
-                "it is defined"
-            )
+            raise ExportError(f"{tp_module}.{name} is imported there from {b.dotted}; import it from where it is defined")
         dest = self.dest_module(tp_module)
         is_knob = self.trees.is_config_module(tp_module)
         final = knob_upstream_name(name) if is_knob else name
@@ -130,9 +125,7 @@ class Placer:
                     self.state.placed[(tp_module, n)] = (dest, n)
                 return self.state.placed[key]
             final = self.ws.fresh(dest, f"_{name.lstrip('_')}_saved_tensors_hooks")
-            self.ws.notes.append(
-                f"{dest} already defines {name} differently; ours is added as {final}"
-            )
+            self.ws.notes.append(f"{dest} already defines {name} differently; ours is added as {final}")
         elif existing is not None and is_knob:
             raise ExportError(f"{dest} already has a knob {final}")
         names = stmt_binds(b.stmt)

@@ -82,9 +82,7 @@ class Source:
 
     def has_future_annotations(self) -> bool:
         return any(
-            isinstance(n, ast.ImportFrom)
-            and n.module == "__future__"
-            and any(a.name == "annotations" for a in n.names)
+            isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names)
             for n in self.tree.body
         )
 
@@ -127,9 +125,7 @@ def import_bindings(node: ast.Import | ast.ImportFrom, package: str) -> Iterator
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def stmt_binds(node: ast.stmt) -> list[str]:
@@ -251,9 +247,7 @@ def _local_bindings(node: ast.AST, package: str) -> _Scope:
     return _Scope(kind, bound, globals_, node)
 
 
-def name_uses(
-    node: ast.AST, package: str, *, module_level: bool = True, enclosing: ast.AST | None = None
-) -> list[NameUse]:
+def name_uses(node: ast.AST, package: str, *, module_level: bool = True, enclosing: ast.AST | None = None) -> list[NameUse]:
     """Every name use in ``node`` that does not resolve to a local of a scope inside it.
 
     ``module_level``: ``node`` is a top-level statement (its own bindings are module
@@ -434,7 +428,4 @@ def reindent(text: str, remove: int, add: str) -> str:
 
 
 def _dedent_for_parse(text: str, remove: int) -> str:
-    return "".join(
-        line[remove:] if line[:remove].strip() == "" else line.lstrip()
-        for line in text.splitlines(keepends=True)
-    )
+    return "".join(line[remove:] if line[:remove].strip() == "" else line.lstrip() for line in text.splitlines(keepends=True))

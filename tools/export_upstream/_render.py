@@ -56,14 +56,16 @@ def stage_file(fw: FileWork, allowed: set[tuple[str, str]]) -> str:
     def pick(entries: list[Any], keys: list[tuple[str, str]]) -> list[Any]:
         return [e for e, k in zip(entries, keys) if k in allowed]
 
-    return render_file(dataclasses.replace(
-        fw,
-        replace=None,
-        tail=[],
-        helpers=pick(fw.helpers, fw.helper_keys),
-        knobs=pick(fw.knobs, fw.knob_keys),
-        imports={n: d for n, d in fw.imports.items() if (fw.module, "import " + n) in allowed},
-    ))
+    return render_file(
+        dataclasses.replace(
+            fw,
+            replace=None,
+            tail=[],
+            helpers=pick(fw.helpers, fw.helper_keys),
+            knobs=pick(fw.knobs, fw.knob_keys),
+            imports={n: d for n, d in fw.imports.items() if (fw.module, "import " + n) in allowed},
+        )
+    )
 
 
 def _import_anchor(src: Source, dotted: str) -> int:

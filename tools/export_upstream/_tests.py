@@ -66,19 +66,25 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
     ],
     "add-solver": [
         UpstreamTest(
-            "test/test_budget_solver.py", "test/functorch/test_activation_budget_solver.py", _F,
+            "test/test_budget_solver.py",
+            "test/functorch/test_activation_budget_solver.py",
+            _F,
             classes=("TestSolverMatchesReference", "TestSolverWork", "TestSolverIsPure"),
         ),
     ],
     "add-exact": [
         UpstreamTest(
-            "test/test_budget_solver.py", "test/functorch/test_activation_budget_exact.py", _F,
+            "test/test_budget_solver.py",
+            "test/functorch/test_activation_budget_exact.py",
+            _F,
             classes=("TestExactSolver",),
         ),
     ],
     "add-planner": [
         UpstreamTest(
-            "test/test_budget.py", "test/functorch/test_activation_budget.py", _F,
+            "test/test_budget.py",
+            "test/functorch/test_activation_budget.py",
+            _F,
             classes=("TestCostModel", "TestRecompute", "TestTimeline"),
         ),
     ],
@@ -109,11 +115,15 @@ UPSTREAM_TESTS: dict[str, list[UpstreamTest]] = {
         UpstreamTest("test/test_hooks_library.py", "test/test_saved_tensors_hooks.py", _F),
         UpstreamTest("test/test_select.py", "test/functorch/test_saved_tensors_hooks_select.py", _F),
         UpstreamTest(
-            "test/test_numerics.py", "test/functorch/test_saved_tensors_hooks_allowlist.py", _F,
+            "test/test_numerics.py",
+            "test/functorch/test_saved_tensors_hooks_allowlist.py",
+            _F,
             classes=("TestAllowlistCompiled", "TestAllowlistEager", "TestStorageLevels"),
         ),
         UpstreamTest(
-            "test/test_activation_inputs.py", "test/functorch/test_saved_tensors_hooks_activation_inputs.py", _F,
+            "test/test_activation_inputs.py",
+            "test/functorch/test_saved_tensors_hooks_activation_inputs.py",
+            _F,
             classes=("TestActivationInputs",),
         ),
     ],
@@ -298,7 +308,8 @@ class _Converter:
         leave_out = set(leave_out)
         drop = {c.name for c in self._stock_classes()}
         test_classes = {
-            n.name for n in tree.body
+            n.name
+            for n in tree.body
             if isinstance(n, ast.ClassDef) and any(isinstance(s, ast.FunctionDef) and s.name.startswith("test") for s in n.body)
         }
         if keep:
@@ -349,10 +360,10 @@ class _Converter:
                 start, end = self.src.span(node)
                 self.edits.append((start, end, UPSTREAM_CONFIG))
         text = _prune_imports(self._apply(), self.generated, every=bool(keep))
-        left = sorted({
-            _dotted(n) for n in ast.walk(ast.parse(text))
-            if isinstance(n, ast.Attribute) and _dotted(n).startswith("torch_patches.")
-        } | {"torch_patches" for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name) and n.id == "torch_patches"})
+        left = sorted(
+            {_dotted(n) for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute) and _dotted(n).startswith("torch_patches.")}
+            | {"torch_patches" for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name) and n.id == "torch_patches"}
+        )
         if any(name.startswith(("torch_patches.apply", "torch_patches.unapply")) for name in left):
             raise UpstreamTestError("it applies the patch set itself")
         if left:
@@ -385,14 +396,16 @@ def _needed(tree: ast.Module, drop: set[str]) -> set[str]:
         elif isinstance(n, (ast.Assign, ast.AnnAssign)):
             defs.update((name, n) for name in _binds(n))
     roots = [
-        n for n in tree.body
+        n
+        for n in tree.body
         if not isinstance(n, (ast.Import, ast.ImportFrom))
         and not (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in drop)
         and n not in defs.values()
         and not (isinstance(n, ast.Expr) and _instantiates(n, drop))
     ]
     roots += [
-        n for n in defs.values()
+        n
+        for n in defs.values()
         if isinstance(n, ast.ClassDef) and any(isinstance(s, ast.FunctionDef) and s.name.startswith("test") for s in n.body)
     ]
     needed: set[str] = set()
@@ -480,12 +493,7 @@ def _dotted(node: ast.expr) -> str:
 
 def _instantiates(node: ast.Expr, classes: set[str]) -> bool:
     call = node.value
-    return (
-        isinstance(call, ast.Call)
-        and bool(call.args)
-        and isinstance(call.args[0], ast.Name)
-        and call.args[0].id in classes
-    )
+    return isinstance(call, ast.Call) and bool(call.args) and isinstance(call.args[0], ast.Name) and call.args[0].id in classes
 
 
 def _from_import(module: str, names: list[str], indent: str) -> str:
@@ -501,9 +509,7 @@ def upstream_test(
 ) -> tuple[str, set[str]]:
     """Our test module ``text`` in upstream's form, and the helper modules it needs."""
     tree = ast.parse(text)
-    testing_names = {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == TESTING for a in n.names
-    }
+    testing_names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == TESTING for a in n.names}
     conv = _Converter(text, resolver, plain_testcase=testing_names <= {"TestCase"})
     out = conv.convert(classes, leave_out)
     return f'# Owner(s): ["{owner}"]\n\n' + out, conv.helpers

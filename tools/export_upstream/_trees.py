@@ -13,8 +13,6 @@ import ast
 import importlib.util
 import os
 
-from torch_patches import config as tp_config
-
 from tools.export_upstream import _names
 from tools.export_upstream._model import (
     CONFIG_HOME,
@@ -27,6 +25,7 @@ from tools.export_upstream._model import (
     module_relpath,
 )
 from tools.export_upstream._pysrc import ExportError, Source
+from torch_patches import config as tp_config
 
 
 def _tp_root() -> str:
@@ -193,11 +192,7 @@ class Trees:
         mirror = self.mirror_of(tp_module)
         if mirror is not None:
             return mirror
-        home = (
-            (state or self.state).homes.get(tp_module)
-            or self.new_home(tp_module)
-            or self.home_hints.get(tp_module)
-        )
+        home = (state or self.state).homes.get(tp_module) or self.new_home(tp_module) or self.home_hints.get(tp_module)
         if home is None:
             self.unknown_homes.add(tp_module)
         return home

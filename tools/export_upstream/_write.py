@@ -96,16 +96,12 @@ def commit_message(exporter: Exporter, e: PatchExport, by_name: dict[str, PatchE
     if e.added:
         lines.append("Adds: " + ", ".join(f"`{a}`" for a in e.added) + ".")
     if e.knobs:
-        lines.append(
-            "Config: " + ", ".join(f"`{v}`" for v in e.knobs.values()) + "."
-        )
+        lines.append("Config: " + ", ".join(f"`{v}`" for v in e.knobs.values()) + ".")
     lines.append("")
     lines.append(f"Upstream: {p.upstream}")
     lines.append(f"Retire when: {p.retire_when}")
     if p.after:
-        lines.append("Builds on: " + "; ".join(
-            f"{a} ({by_name[a].patch.summary})" if a in by_name else a for a in p.after
-        ))
+        lines.append("Builds on: " + "; ".join(f"{a} ({by_name[a].patch.summary})" if a in by_name else a for a in p.after))
     for note in e.notes:
         lines.append(f"Note: {note}")
     equivalence = (
@@ -266,14 +262,13 @@ def new_module_message(exporter: Exporter, e: PatchExport, user: PatchExport, ve
     lines = [_KEEP + subject, ""]
     if doc:
         lines += [_KEEP + line for line in doc.splitlines()] + [""]
-    lines.append(f"New module `{rel}`, used from the commit \"{user.patch.summary}\" on.")
+    lines.append(f'New module `{rel}`, used from the commit "{user.patch.summary}" on.')
     own = [a.partition(":")[2] for a in e.added if a.partition(":")[0] == e.module]
     if own:
         lines.append("Defines: " + ", ".join(f"`{a}`" for a in own) + ".")
     elsewhere = [a.replace(":", ".") for a in e.added if a.partition(":")[0] != e.module]
     if elsewhere:
-        lines.append("With what it uses of that commit's additions to upstream's modules: "
-                     + ", ".join(f"`{a}`" for a in elsewhere) + ".")
+        lines.append("With what it uses of that commit's additions to upstream's modules: " + ", ".join(f"`{a}`" for a in elsewhere) + ".")
     check = f"Imports alone: python -c 'import {e.module}' (nothing uses it before that commit)"
     return _finish(exporter, e, lines, check, f"module `{e.source}` for patch `{e.patch.name}`, against torch {version}")
 
@@ -363,6 +358,12 @@ LARGE_REASONS = {
         "a record without its readers cannot be checked, and a reader without the record has "
         "nothing to read"
     ),
+    "add-_offload": (
+        "the offload ops (offload, reload_start, reload_wait, with their fake kernels) and the "
+        "bookkeeping of the copies in flight they share (tickets, events, the blocks a finished "
+        "copy gives back) are one protocol: an op without the others leaves a copy nobody waits "
+        "for, and the hooks are those ops' eager form"
+    ),
 }
 
 
@@ -447,9 +448,7 @@ def make_stack(stack_dir: str, exporter: Exporter, results: Sequence[PatchExport
     is_repo = os.path.isdir(os.path.join(stack_dir, ".git"))
     if not is_repo:
         git("init", "-q", cwd=stack_dir)
-    has_head = subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=stack_dir, capture_output=True
-    ).returncode == 0
+    has_head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=stack_dir, capture_output=True).returncode == 0
     if has_head and git("status", "--porcelain", cwd=stack_dir).strip():
         raise RuntimeError(f"{stack_dir} has uncommitted changes; commit or clean them first")
     touched = sorted({rel for r in exported for rel in r.files if exporter.trees.base.get(rel)})
@@ -464,9 +463,12 @@ def make_stack(stack_dir: str, exporter: Exporter, results: Sequence[PatchExport
                 f.write(exporter.trees.base[rel])
         git("add", "--", *touched, cwd=stack_dir)
         git(
-            "commit", "-q", "-m",
+            "commit",
+            "-q",
+            "-m",
             f"Base: torch {torch_version_of(exporter.trees.root)} sources the torch_patches stack changes",
-            cwd=stack_dir, env=_dates(),
+            cwd=stack_dir,
+            env=_dates(),
         )
     commits = []
     for r in exported:
@@ -539,7 +541,11 @@ def apply_to_overlay(dest: str, torch_root: str, results: Sequence[PatchExport])
         for args in (["--check"], []):
             proc = subprocess.run(
                 ["git", "apply", *args, "-"],
-                cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest),
+                cwd=dest,
+                input=r.diff,
+                text=True,
+                capture_output=True,
+                env=no_repo_env(dest),
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"git apply {' '.join(args)} {r.filename}: {proc.stderr.strip()}")
@@ -567,17 +573,13 @@ def import_each_commit(
     env = dict(os.environ)
     env["PYTHONPATH"] = dest
     for i, r in enumerate(exported[: len(exported) if stop is None else stop]):
-        proc = subprocess.run(
-            ["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest)
-        )
+        proc = subprocess.run(["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest))
         if proc.returncode != 0:
             failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
             break
         if i < start:
             continue
-        modules = [
-            rel_module(rel) for rel in r.files if rel.startswith("torch/")
-        ]
+        modules = [rel_module(rel) for rel in r.files if rel.startswith("torch/")]
         # torch._dynamo first, as torch.compile imports it (some of torch's own modules do
         # not import alone, e.g. runtime_wrappers).
         code = "import torch\nimport torch._dynamo\n" + "".join(f"import {m}\n" for m in modules)
@@ -588,7 +590,10 @@ def import_each_commit(
         if tests and r.upstream_tests:  # its own tests, every later commit still absent
             proc = subprocess.run(
                 [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *r.upstream_tests],
-                cwd=dest, env=env, text=True, capture_output=True,
+                cwd=dest,
+                env=env,
+                text=True,
+                capture_output=True,
             )
             if proc.returncode != 0:
                 failures.append(f"{r.filename}: its tests: {proc.stdout.strip()[-2000:]}")

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
-from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._functorch._aot_autograd import hook_identity as hook_keys, utils as hook_utils
 
 
 def _current_state() -> tuple[Any, tuple[Any, ...]]:
@@ -39,9 +38,7 @@ def AUTOGRAD_SAVED_TENSORS_HOOKS(self: Any, guard: Any) -> None:
 
     check = _guard_check(expected)
     check.pins = pins  # type: ignore[attr-defined]  # alive as long as the guard
-    self.guard_manager.root.add_lambda_guard(
-        check, get_verbose_code_parts(code, guard), guard.user_stack
-    )
+    self.guard_manager.root.add_lambda_guard(check, get_verbose_code_parts(code, guard), guard.user_stack)
 
 
 # ===================================================================== per compiled call

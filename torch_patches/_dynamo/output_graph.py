@@ -25,12 +25,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches._functorch._aot_autograd import compile_facts
-from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
-from torch_patches._functorch._aot_autograd import loss_head
-from torch_patches._functorch._aot_autograd import utils as hook_utils
+from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, loss_head, utils as hook_utils
 from torch_patches.hooks.markers import decode
-
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +62,7 @@ def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -
     digest, reasons = cache_key
     if digest is None:
         log.info(
-            "saved tensors hooks %s have no cache key valid across processes, so "
-            "AOTAutogradCache will bypass this graph: %s",
+            "saved tensors hooks %s have no cache key valid across processes, so AOTAutogradCache will bypass this graph: %s",
             hook_utils.hook_name(fn),
             "; ".join(reasons),
         )

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk
 from torch_patches._dynamo import output_graph, symbolic_convert
-from torch_patches._functorch._aot_autograd import hook_tracing
+from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_tracing, hook_walk
 
 
 def _source_name(source: Any) -> str:
@@ -68,13 +67,8 @@ def guard_hook_content(source: Any, fn: Any, lift: Any = False) -> None:
     digest, check = hook_keys.hook_content_check(fn, lift)
 
     def SAVED_TENSORS_HOOK_CONTENT(builder: Any, guard: Any) -> None:  # noqa: N802
-        code = [
-            f"torch_patches saved tensors hook key of {_source_name(source)} == {digest!r}"
-            " and torch_patches.config unchanged"
-        ]
-        builder.get_guard_manager(guard).add_lambda_guard(
-            check, get_verbose_code_parts(code, guard), guard.user_stack
-        )
+        code = [f"torch_patches saved tensors hook key of {_source_name(source)} == {digest!r} and torch_patches.config unchanged"]
+        builder.get_guard_manager(guard).add_lambda_guard(check, get_verbose_code_parts(code, guard), guard.user_stack)
 
     install_guard(Guard(source, SAVED_TENSORS_HOOK_CONTENT))
 
@@ -99,9 +93,7 @@ def register_hooks_scope(tx: Any, pair: Any, lifted: list[tuple[Any, Any]]) -> s
     if digest is None:
         # No key valid across processes: a key that can never hit, and no cache entry.
         key = f"local-{uuid.uuid4().hex}"
-        compile_facts.mark_not_cacheable(
-            f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons)
-        )
+        compile_facts.mark_not_cacheable(f"saved tensors hooks scope {pair.names}: " + "; ".join(reasons))
     else:
         # Two scopes whose hooks read different tensors of the same metadata have one
         # content digest: which inputs they read tells them apart.

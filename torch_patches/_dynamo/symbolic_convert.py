@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk
-from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._errors import SavedTensorsHookWarning
+from torch_patches._functorch._aot_autograd import compile_facts, hook_identity as hook_keys, hook_inputs, hook_walk, utils as hook_utils
 
 
 def add_hook_input(tx: Any, source: Any, value: torch.Tensor) -> Any:

@@ -33,13 +33,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback, utils as hook_utils
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches.hooks.markers import decode
-
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch.partitioners"
@@ -156,14 +153,17 @@ def _budget_first(original: Callable[..., Any], joint_graph: Any, node_info: Any
     if ratio > fraction:
         artifact.debug(
             "budget %.3g: the partitioner's cheap recomputation saves %.3f of the activation bytes; "
-            "the plan starts from the default partition", fraction, ratio,
+            "the plan starts from the default partition",
+            fraction,
+            ratio,
         )
         return default
     if found is not None and full:  # weighed by its peak against the default by the partition choice
         return default
     artifact.debug(
-        "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the "
-        "activation bytes", fraction, ratio,
+        "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the activation bytes",
+        fraction,
+        ratio,
     )
     return cheap
 
@@ -175,7 +175,9 @@ def _upstream_after(error: Exception, original: Callable[..., Any], joint_graph:
         raise error
     inline_fallback.forget_partition_facts()
     inline_fallback.warn_once(
-        error, "the budget's partition", f"failed on {inline_fallback.describe_graph(joint_graph, 'joint')}",
+        error,
+        "the budget's partition",
+        f"failed on {inline_fallback.describe_graph(joint_graph, 'joint')}",
         "The partition is torch's own (as without torch_patches); the budget plans it",
     )
     return original(joint_graph, node_info, memory_budget=memory_budget)

@@ -29,7 +29,6 @@ import torch
 from torch_patches._functorch._aot_autograd.hook_walk import own_source_digest
 from torch_patches._inductor.memory import OFFLOAD_OPS
 
-
 #: The attribute of ``FxGraphHashDetails`` holding the digest (part of the pickled key).
 OFFLOAD_DIGEST_ATTR = "saved_tensors_hooks_offload_source"
 

@@ -21,12 +21,7 @@ class _Normalize(ast.NodeTransformer):
 
     def _strip_docstring(self, node: Any) -> None:
         body = node.body
-        if (
-            body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
 
     def visit_FunctionDef(self, node: Any) -> Any:
@@ -96,12 +91,7 @@ def find_definition(module_source: str, qualname: str, tree: ast.Module | None =
     node: ast.AST | None = None
     for part in qualname.split("."):
         node = next(
-            (
-                n
-                for n in body
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                and n.name == part
-            ),
+            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part),
             None,
         )
         if node is None:

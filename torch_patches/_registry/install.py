@@ -28,7 +28,6 @@ from torch_patches._registry import patches
 from torch_patches._registry.fingerprints import _definition_fingerprint, _function_of, combine_fingerprints
 from torch_patches._registry.records import Effect, Patch, PatchStatus, _split, parse_version, torch_version
 
-
 log = logging.getLogger(__name__)
 
 _MISSING = object()
@@ -41,9 +40,7 @@ class PatchError(RuntimeError):
     def __init__(self, torch_version: str, refusals: list[tuple[str, str]]) -> None:
         self.torch_version = torch_version
         self.refusals = refusals
-        lines = [
-            f"torch_patches.apply() refused on torch {torch_version}; nothing was patched."
-        ]
+        lines = [f"torch_patches.apply() refused on torch {torch_version}; nothing was patched."]
         lines += [f"  patch {name!r}: {reason}" for name, reason in refusals]
         super().__init__("\n".join(lines))
 
@@ -199,11 +196,7 @@ def _is_torch_definition(raw: Any, target: str) -> bool:
     """
     fn = _function_of(raw)
     module_name, path = _split(target)
-    if (
-        getattr(fn, "__module__", None) != module_name
-        or getattr(fn, "__qualname__", None) != ".".join(path)
-        or hasattr(fn, _MARK)
-    ):
+    if getattr(fn, "__module__", None) != module_name or getattr(fn, "__qualname__", None) != ".".join(path) or hasattr(fn, _MARK):
         return False
     code = getattr(fn, "__code__", None)
     module_file = getattr(sys.modules.get(module_name), "__file__", None)
@@ -222,10 +215,7 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
 
     version = parse_version(version_str)
     if not patch.in_band(version):
-        raise _Refused(
-            f"torch {version_str} is outside the supported band {patch.band} "
-            f"(target {patch.target})"
-        )
+        raise _Refused(f"torch {version_str} is outside the supported band {patch.band} (target {patch.target})")
     try:
         owner, attr, raw = _resolve(patch.target)
     except (ImportError, AttributeError) as e:
@@ -238,10 +228,7 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
         code = getattr(fn, "__code__", None)
         if code is not None:
             found += f", code {code.co_name} at {code.co_filename}:{code.co_firstlineno}"
-        raise _Refused(
-            f"target {patch.target} is no longer torch's own definition (found {found}); "
-            "someone else patched it"
-        )
+        raise _Refused(f"target {patch.target} is no longer torch's own definition (found {found}); someone else patched it")
     try:
         fp, ok = check_fingerprint(patch)
     except (OSError, LookupError, SyntaxError) as e:
@@ -256,8 +243,7 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
         if config.fingerprint_drift != "warn":
             raise _Refused(reason)
         warnings.warn(
-            f"torch_patches: applying {patch.name!r} despite drift "
-            f"(config.fingerprint_drift='warn'): {reason}",
+            f"torch_patches: applying {patch.name!r} despite drift (config.fingerprint_drift='warn'): {reason}",
             stacklevel=3,
         )
     original_fn = _function_of(raw)
@@ -282,8 +268,7 @@ def _plan(patch: Patch, version_str: str) -> _Installed:
 
 #: Opt-out areas: keyword of :func:`apply` -> what its patches are for.
 AREAS = {
-    "offload": "Inductor buffer-reuse patches cpu_offload needs (inductor.*); without them "
-    "cpu_offload() refuses",
+    "offload": "Inductor buffer-reuse patches cpu_offload needs (inductor.*); without them cpu_offload() refuses",
 }
 
 
@@ -308,8 +293,7 @@ def apply(*, offload: bool = True) -> None:
         if _INSTALLED:
             if {p.patch.name for p in _INSTALLED} != {p.name for p in wanted}:
                 raise RuntimeError(
-                    "torch_patches is already applied with other areas "
-                    f"({', '.join(applied_patches())}); call unapply() first"
+                    f"torch_patches is already applied with other areas ({', '.join(applied_patches())}); call unapply() first"
                 )
             return
         version_str = torch_version()
@@ -325,11 +309,7 @@ def apply(*, offload: bool = True) -> None:
 
         aliases = _scan_aliases(p.original for p in plans)
         for plan in plans:
-            plan.aliases = [
-                (m, n)
-                for m, n in aliases[id(plan.original)]
-                if not (m is plan.owner and n == plan.attr)
-            ]
+            plan.aliases = [(m, n) for m, n in aliases[id(plan.original)] if not (m is plan.owner and n == plan.attr)]
         done: list[_Installed] = []
         try:
             for plan in plans:
@@ -368,9 +348,7 @@ def unapply() -> None:
         if not _INSTALLED:
             return
         layered = [
-            (plan, vars(plan.owner).get(plan.attr))
-            for plan in _INSTALLED
-            if vars(plan.owner).get(plan.attr) is not plan.replacement
+            (plan, vars(plan.owner).get(plan.attr)) for plan in _INSTALLED if vars(plan.owner).get(plan.attr) is not plan.replacement
         ]
         if layered:
             lines = ["torch_patches.unapply() refused; nothing was restored."]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from torch_patches._registry.fingerprints import recorded as _fp
 from torch_patches._registry.records import Effect, Patch, UpstreamForm
 
-
 PR_150032 = "https://github.com/pytorch/pytorch/pull/150032"
 _BLOB = "https://github.com/pytorch/pytorch/blob/v2.13.0/"
 
@@ -37,7 +36,7 @@ PATCHES: tuple[Patch, ...] = (
         retire_when="upstream accepts traceable non-GraphModule hooks (an opt-in marker)",
         fingerprints=_fp("aot.saved_tensors_hooks_are_inlineable"),
         issue=4,
-        tests=('test/test_hooks_library.py', 'test/test_inline_numerics.py', 'test/test_upstream_ports.py'),
+        tests=("test/test_hooks_library.py", "test/test_inline_numerics.py", "test/test_upstream_ports.py"),
         measured=(
             "plain Python functions marked `inlineable` are traced into the graphs like "
             "GraphModule hooks: `bf16()` as marked functions gives the same peak as its GraphModule form "
@@ -59,7 +58,7 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_OG}:OutputGraph.install_subgraph", f"{_OG}:OutputGraph.add_graph_finalizer"),
         after=("aot.saved_tensors_hooks_are_inlineable",),
         issue=4,
-        tests=('test/test_compile_cache.py',),
+        tests=("test/test_compile_cache.py",),
         measured=(
             "the compile caches key inlined hooks by content: a fresh process with the same "
             "hooks hits AOTAutogradCache and the FX graph cache, a changed hook misses (test_compile_cache, "
@@ -80,7 +79,7 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("dynamo.guard_saved_tensors_hooks_by_content"),
         after=("dynamo.install_saved_tensors_hooks_subgraphs",),
         issue=4,
-        tests=('test/test_hook_guards.py',),
+        tests=("test/test_hook_guards.py",),
         measured=(
             "hooks recreated every step (the usual `with saved_tensors_hooks(*bf16())`) compile "
             "once instead of once per step; 50 steps, 1 frame (test_hook_identity)"
@@ -102,7 +101,7 @@ PATCHES: tuple[Patch, ...] = (
         depends_on=(f"{_OG}:OutputGraph.install_global", f"{_OG}:OutputGraph.install_global_unsafe"),
         after=("dynamo.guard_saved_tensors_hooks_by_content",),
         issue=27,
-        tests=('test/test_hook_inputs.py',),
+        tests=("test/test_hook_inputs.py",),
         measured=(
             "a delayed scale updated in place every step compiles once over 50 updates, where "
             "it recompiled per update; `bf16_scaled` row: 1.6 ms/step vs eager hooks 3.3 ms (CPU, "
@@ -130,7 +129,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         after=("dynamo.guard_saved_tensors_hooks_by_content",),
         issue=5,
-        tests=('test/test_inscope_hooks.py', 'test/test_compile_cache.py'),
+        tests=("test/test_inscope_hooks.py", "test/test_compile_cache.py"),
         measured=(
             "`with saved_tensors_hooks(...)` inside a compiled function is traced "
             "(fullgraph=True works) and placed per scope, where stock torch graph-breaks"
@@ -153,7 +152,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         after=("aot.saved_tensors_hooks_are_inlineable",),
         issue=4,
-        tests=('test/test_inline_placement.py', 'test/test_inline_numerics.py', 'test/test_offload.py', 'test/test_upstream_ports.py'),
+        tests=("test/test_inline_placement.py", "test/test_inline_numerics.py", "test/test_offload.py", "test/test_upstream_ports.py"),
         measured=(
             "packs after each saved tensor's last forward use and unpacks before its first "
             "backward use: mlp8 peak 0.60x (bf16) and 0.44x (fp8) of no hooks under aot_eager on an H100, where "
@@ -198,7 +197,7 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("aot.runtime_hooks_not_disabled_by_type"),
         after=("aot.inline_saved_tensors_hooks",),
         issue=4,
-        tests=('test/test_hook_contract.py', 'test/test_upstream_ports.py'),
+        tests=("test/test_hook_contract.py", "test/test_upstream_ports.py"),
         measured=(
             "graphs that inlined their hooks and graphs that did not coexist in one step (a "
             "graph break between them) without running any hook twice or never"
@@ -223,7 +222,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         after=("aot.runtime_hooks_not_disabled_by_type",),
         issue=9,
-        tests=('test/test_hook_contract.py',),
+        tests=("test/test_hook_contract.py",),
         measured=(
             "inlined hooks no longer also run as eager hooks at runtime; a hook that falls back "
             "runs under the hook contract (dtype, shape, device checked; strides restored)"
@@ -241,10 +240,9 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("aot.autograd_cache_skip_eager_fallback"),
         after=("aot.inline_saved_tensors_hooks",),
         issue=6,
-        tests=('test/test_compile_cache.py',),
+        tests=("test/test_compile_cache.py",),
         measured=(
-            "a graph whose hooks fell back to eager is not written to AOTAutogradCache (a later "
-            "process would load it without its hooks)"
+            "a graph whose hooks fell back to eager is not written to AOTAutogradCache (a later process would load it without its hooks)"
         ),
         risk="fewer cache hits for graphs whose hooks fell back",
     ),
@@ -284,10 +282,7 @@ PATCHES: tuple[Patch, ...] = (
         issue=7,
         tests=("test/test_offload.py",),
         area="offload",
-        measured=(
-            "none until a lowering marks a buffer; then no kernel writes in place into a buffer "
-            "an async copy still reads"
-        ),
+        measured=("none until a lowering marks a buffer; then no kernel writes in place into a buffer an async copy still reads"),
         risk="only for buffers marked by the offload lowering",
     ),
     Patch(
@@ -311,8 +306,7 @@ PATCHES: tuple[Patch, ...] = (
             "peak went from 1.00x to 0.55x of no hooks at 1.05x step time (benchmarks/results/gpu-check.md)"
         ),
         risk=(
-            "graphs holding offload ops lose Inductor's peak-memory reordering of their other "
-            "nodes; the inliner's placement stands for it"
+            "graphs holding offload ops lose Inductor's peak-memory reordering of their other nodes; the inliner's placement stands for it"
         ),
     ),
     Patch(
@@ -320,8 +314,7 @@ PATCHES: tuple[Patch, ...] = (
         target="torch._inductor.codecache:FxGraphHashDetails.__init__",
         replacement=f"{_TP}_inductor.codecache:make_fx_graph_hash_details_init",
         wraps=True,
-        summary="[inductor] Key the FX graph cache of graphs holding saved-tensor offload ops on the code "
-        "that lowers and orders them",
+        summary="[inductor] Key the FX graph cache of graphs holding saved-tensor offload ops on the code that lowers and orders them",
         upstream=f"{_BLOB}torch/_inductor/codecache.py",
         retire_when="the offload ops' lowering and order are torch's own source, which torch_key() digests",
         fingerprints=_fp("inductor.fx_graph_cache_keys_offload_code"),
@@ -336,10 +329,7 @@ PATCHES: tuple[Patch, ...] = (
             "for graphs holding the offload ops (2 misses where it took 2 stale hits for `cpu_offload()`) and "
             "still hits for the others"
         ),
-        risk=(
-            "one walk of each graph's nodes while its key is made; only graphs holding the offload "
-            "ops change keys"
-        ),
+        risk=("one walk of each graph's nodes while its key is made; only graphs holding the offload ops change keys"),
     ),
 )
 
@@ -359,7 +349,7 @@ EFFECTS: tuple[Effect, ...] = (
         ),
         tests=("test/test_logging.py", "test/test_select.py"),
         measured=(
-            "`TORCH_LOGS=\"saved_tensors_hooks\"` is accepted; the artifact logs from the "
+            '`TORCH_LOGS="saved_tensors_hooks"` is accepted; the artifact logs from the '
             "inliner's commit on (one record line per saved tensor, the graphs after inlining)"
         ),
         risk="one more artifact name; off by default",

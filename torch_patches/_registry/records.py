@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-
 #: Oldest and newest torch (major, minor) this project supports.
 SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
 

@@ -26,9 +26,23 @@ from torch_patches.bench.report import add_ratios, format_table, write_json
 from torch_patches.bench.run import cases_for, cast_hooks, make_hooks, run_all, run_case, run_in_subprocess
 
 __all__ = [
-    "BUDGET_MODES", "MODES", "Case", "add_ratios", "block_working_set", "cases_for", "cast_hooks", "format_table",
-    "make_hooks", "parse_fractions", "run_all", "run_case", "run_in_subprocess", "saved_bytes", "saved_tensors_of",
-    "tensor_bytes", "write_json",
+    "BUDGET_MODES",
+    "MODES",
+    "Case",
+    "add_ratios",
+    "block_working_set",
+    "cases_for",
+    "cast_hooks",
+    "format_table",
+    "make_hooks",
+    "parse_fractions",
+    "run_all",
+    "run_case",
+    "run_in_subprocess",
+    "saved_bytes",
+    "saved_tensors_of",
+    "tensor_bytes",
+    "write_json",
 ]
 
 

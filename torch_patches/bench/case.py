@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
 MODES = ("no-hooks", "eager-hooks", "stock-inline", "ours")
 #: Rows ``--budget F`` adds (one pair per fraction F), beside ``MODES``.
 BUDGET_MODES = ("budget", "stock-budget")
@@ -29,10 +28,7 @@ class Case:
 
     def __post_init__(self) -> None:
         if (self.mode in BUDGET_MODES) != (self.budget is not None):
-            raise ValueError(
-                f"mode {self.mode!r} with budget={self.budget!r}: "
-                f"a budget goes with, and only with, modes {BUDGET_MODES}"
-            )
+            raise ValueError(f"mode {self.mode!r} with budget={self.budget!r}: a budget goes with, and only with, modes {BUDGET_MODES}")
         if self.budget is not None and not 0 < self.budget <= 1:
             raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
 

@@ -140,9 +140,7 @@ def block_working_set(model: Any, x: Any, blocks: list[Any]) -> int:
 
     def capture(i: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
-            inputs.setdefault(i, pytree.tree_map_only(
-                torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)
-            ))
+            inputs.setdefault(i, pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)))
 
         return hook
 
@@ -165,4 +163,3 @@ def block_working_set(model: Any, x: Any, blocks: list[Any]) -> int:
         best = max(best, saved_bytes(out, exclude) + tensor_bytes(diff_out) + tensor_bytes(diff_in))
         del out
     return best
-

@@ -56,7 +56,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-
 def write_json(path: str, common: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """The run's common settings and every row's result, as JSON at ``path`` (its folder made)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch_patches.bench.decisions import recording_decisions
 from torch_patches.bench.case import BUDGET_MODES, MODES, Case
+from torch_patches.bench.decisions import recording_decisions
 from torch_patches.bench.measure import block_working_set, proc_status, recording_pack, saved_bytes, tensor_bytes
-from torch_patches.testing.models import blocks_of, build_model, example_input
 from torch_patches.bench.report import add_ratios
-
+from torch_patches.testing.models import blocks_of, build_model, example_input
 
 #: torch_patches.hooks factories the benchmark can run (besides the plain bf16/fp8 casts).
 LIBRARY_HOOKS = ("fp8_rowwise", "int8_rowwise", "cpu_offload")
@@ -145,10 +144,7 @@ def make_hooks(case: Case) -> tuple[Any, Any] | None:
         select_all = name != case.hook
         names = COMPOSED_HOOKS.get(name, (name,))
         pack, unpack = library.chain(
-            *(
-                getattr(library, n)(where=None) if select_all and n in LOSSY_HOOKS else getattr(library, n)()
-                for n in names
-            )
+            *(getattr(library, n)(where=None) if select_all and n in LOSSY_HOOKS else getattr(library, n)() for n in names)
         )
         if case.mode == "ours":
             return pack, unpack
@@ -357,8 +353,6 @@ def cases_for(
     return out
 
 
-
-
 def run_all(cases: list[Case], *, progress: bool = True) -> list[dict[str, Any]]:
     results = []
     start = time.perf_counter()
@@ -366,8 +360,7 @@ def run_all(cases: list[Case], *, progress: bool = True) -> list[dict[str, Any]]
         if progress:
             done = int(20 * i / len(cases))
             print(
-                f"\r[{'#' * done}{'.' * (20 - done)}] {i}/{len(cases)} {case.label:50s} "
-                f"{time.perf_counter() - start:6.0f}s",
+                f"\r[{'#' * done}{'.' * (20 - done)}] {i}/{len(cases)} {case.label:50s} {time.perf_counter() - start:6.0f}s",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -377,4 +370,3 @@ def run_all(cases: list[Case], *, progress: bool = True) -> list[dict[str, Any]]
         print(f"\r[{'#' * 20}] {len(cases)}/{len(cases)} done in {time.perf_counter() - start:.0f}s" + " " * 50, file=sys.stderr)
     add_ratios(results)
     return results
-

@@ -28,14 +28,13 @@ tensor to fit a byte budget (``torch_patches.hooks.budget``).
 
 from __future__ import annotations
 
-from torch_patches.hooks.markers import SavedTensorInfo
 from torch_patches.hooks._inlineable import inlineable, is_inlineable
 from torch_patches.hooks.budget import budget
 from torch_patches.hooks.cache import cache_hash
 from torch_patches.hooks.compress import bf16, chain, fp8_rowwise, int8_rowwise
+from torch_patches.hooks.markers import SavedTensorInfo
 from torch_patches.hooks.offload import cpu_offload
 from torch_patches.hooks.select import HookPair, numerics_safe, select, tolerate
-
 
 __all__ = [
     "HookPair",

@@ -7,7 +7,6 @@ from typing import Any, TypeVar
 
 from torch_patches.hooks.markers import is_inlineable_hook, mark_inlineable
 
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -42,7 +42,6 @@ from typing import Any
 
 from torch_patches.hooks.markers import BUDGET_ATTR, BUDGET_OPTIONS as OPTIONS, BudgetSpec, budget_pair, budget_spec, decode
 
-
 __all__ = ["BUDGET_ATTR", "OPTIONS", "BudgetSpec", "budget", "unwrap_budget"]
 
 

@@ -7,7 +7,6 @@ from typing import Any, TypeVar
 
 from torch_patches.hooks.markers import CACHE_HASH_ATTR
 
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -48,7 +48,6 @@ from torch_patches.hooks.select import (
     unwrap_select,
 )
 
-
 __all__ = ["bf16", "chain", "fp8_rowwise", "int8_rowwise"]
 
 #: A ``where=`` predicate (:func:`torch_patches.hooks.select`); None: every saved tensor.
@@ -68,6 +67,7 @@ def _where(pair: HookPair, where: Where, storage: str, otherwise: HookPair | str
             raise ValueError(f"otherwise must be a (pack, unpack) pair, 'bf16' or None, got {otherwise!r}")
         otherwise = bf16()
     return select(*pair, where=where, otherwise=otherwise)
+
 
 #: The OCP fp8 formats fp8_rowwise stores (the ``fnuz`` variants are not supported: their
 #: ``torch.finfo`` misreports e5m2fnuz's eps, and the bounds here are stated for these two).
@@ -171,9 +171,7 @@ def _rowwise_dequantize(packed: Any) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _rowwise_pack(
-    x: torch.Tensor, qmax: float, qdtype: torch.dtype, round_to_int: bool, block_size: int | None
-) -> Any:
+def _rowwise_pack(x: torch.Tensor, qmax: float, qdtype: torch.dtype, round_to_int: bool, block_size: int | None) -> Any:
     q, scale = _rowwise_quantize(x, qmax, qdtype, round_to_int=round_to_int, block_size=block_size)
     return (q, scale, x.dtype, "blocks") if _blocks(x, block_size) else (q, scale, x.dtype)
 
@@ -238,10 +236,7 @@ def fp8_rowwise(
     """
     _check_block_size(block_size, "fp8_rowwise")
     if dtype not in _FP8_DTYPES:
-        raise ValueError(
-            f"fp8_rowwise: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-            f"got {dtype}"
-        )
+        raise ValueError(f"fp8_rowwise: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     fmax = float(torch.finfo(dtype).max)
 
     def fp8_rowwise_pack(x: torch.Tensor) -> Any:
@@ -258,9 +253,7 @@ def fp8_rowwise(
 _INT8_MAX = 127.0
 
 
-def int8_rowwise(
-    where: Where = numerics_safe, *, block_size: int | None = None, otherwise: HookPair | str | None = "bf16"
-) -> HookPair:
+def int8_rowwise(where: Where = numerics_safe, *, block_size: int | None = None, otherwise: HookPair | str | None = "bf16") -> HookPair:
     """Hooks storing floating-point saved tensors as symmetric int8 with a scale per row.
 
     A row is the last dimension (a 0-d or 1-d tensor is one row).  Pack computes
@@ -313,9 +306,7 @@ def _chain2(first: HookPair, second: HookPair) -> HookPair:
         # were tensors, and second's packed form of each tensor leaf, in order.
         leaves, spec = pytree.tree_flatten(first_pack(x))
         is_tensor = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
-        skeleton = pytree.tree_unflatten(
-            [0 if t else leaf for leaf, t in zip(leaves, is_tensor)], spec
-        )
+        skeleton = pytree.tree_unflatten([0 if t else leaf for leaf, t in zip(leaves, is_tensor)], spec)
         packed = tuple(second_pack(leaf) for leaf, t in zip(leaves, is_tensor) if t)
         return (skeleton, is_tensor, packed)
 
@@ -323,11 +314,7 @@ def _chain2(first: HookPair, second: HookPair) -> HookPair:
         skeleton, is_tensor, inner = packed
         leaves, spec = pytree.tree_flatten(skeleton)
         restored = iter([second_unpack(p) for p in inner])
-        return first_unpack(
-            pytree.tree_unflatten(
-                [next(restored) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec
-            )
-        )
+        return first_unpack(pytree.tree_unflatten([next(restored) if t else leaf for leaf, t in zip(leaves, is_tensor)], spec))
 
     if all(is_inlineable(f) for f in (*first, *second)):
         return inlineable(chain_pack, chain_unpack)

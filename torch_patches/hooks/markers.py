@@ -26,14 +26,26 @@ from typing import Any, TypeVar
 
 import torch
 
-from torch_patches.hooks import numerics
 from torch_patches._errors import SavedTensorsHookWarning
-
+from torch_patches.hooks import numerics
 
 __all__ = [
-    "BUDGET_ATTR", "BUDGET_OPTIONS", "CACHE_HASH_ATTR", "INLINEABLE_ATTR", "OTHERWISE_ATTR", "SELECT_ATTR",
-    "BudgetSpec", "PairKind", "Selection", "budget_pair", "budget_spec", "decode", "is_inlineable_hook",
-    "mark_inlineable", "pair_is_inlineable", "SavedTensorInfo",
+    "BUDGET_ATTR",
+    "BUDGET_OPTIONS",
+    "CACHE_HASH_ATTR",
+    "INLINEABLE_ATTR",
+    "OTHERWISE_ATTR",
+    "SELECT_ATTR",
+    "BudgetSpec",
+    "PairKind",
+    "Selection",
+    "budget_pair",
+    "budget_spec",
+    "decode",
+    "is_inlineable_hook",
+    "mark_inlineable",
+    "pair_is_inlineable",
+    "SavedTensorInfo",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -127,9 +139,7 @@ def budget_spec(memory: Any, options: Any = None) -> BudgetSpec:
     else:
         memory = float(memory)
         if not 0.0 < memory <= 1.0:
-            raise ValueError(
-                f"budget: a fraction of the saved bytes must be in (0, 1], got {memory} (pass an int for bytes)"
-            )
+            raise ValueError(f"budget: a fraction of the saved bytes must be in (0, 1], got {memory} (pass an int for bytes)")
     options = BUDGET_OPTIONS if options is None else tuple(options)
     unknown = [o for o in options if o not in BUDGET_OPTIONS]
     if unknown:
@@ -224,7 +234,7 @@ class SavedTensorInfo:
         return self.name is not None
 
     @staticmethod
-    def from_tensor(t: torch.Tensor) -> "SavedTensorInfo":
+    def from_tensor(t: torch.Tensor) -> SavedTensorInfo:
         """What eager knows of a tensor at pack time (its producer, not its readers)."""
         grad_fn = t.grad_fn
         tolerance, why = numerics.eager_verdict(t)

@@ -44,7 +44,6 @@ import torch
 
 from torch_patches import config
 
-
 EXACT = "exact"
 BF16 = "bf16"
 INT8 = "int8"
@@ -125,6 +124,8 @@ _ATTENTION_FORWARD = (
 )
 
 
+# A table, one row of ops per line: kept out of the formatter.
+# fmt: off
 def _builtin() -> dict[str, dict[str, str]]:
     table: dict[str, dict[str, str]] = {}
 
@@ -212,6 +213,7 @@ def _builtin() -> dict[str, dict[str, str]]:
         {ALL_ARGS: FP8},
     )
     return table
+# fmt: on
 
 
 BUILTIN: dict[str, dict[str, str]] = _builtin()
@@ -219,13 +221,22 @@ BUILTIN: dict[str, dict[str, str]] = _builtin()
 #: Outputs after the first of a multi-output op are statistics (mean, rstd, log-sum-exp,
 #: indices, RNG state) and stay exact, except for these ops, whose outputs are all data.
 DATA_OUTPUTS = frozenset(
-    {"split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "unsafe_split_with_sizes",
-     "tensor_split", "split_copy", "split_with_sizes_copy", "unbind_copy"}
+    {
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "unsafe_split",
+        "unsafe_split_with_sizes",
+        "tensor_split",
+        "split_copy",
+        "split_with_sizes_copy",
+        "unbind_copy",
+    }
 )
 #: Ops whose first output is a statistic (kept exact whatever reads it).
 STATISTICS = frozenset(
-    {"logsumexp", "rsqrt", "reciprocal", "var", "std", "var_mean", "std_mean",
-     "linalg_vector_norm", "norm", "_batch_norm_impl_index"}
+    {"logsumexp", "rsqrt", "reciprocal", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "_batch_norm_impl_index"}
 )
 
 

@@ -110,7 +110,6 @@ from torch import Tensor
 
 from torch_patches.hooks._inlineable import inlineable
 
-
 __all__ = ["copy_log", "cpu_offload", "offload", "offload_order", "prefetch", "reload_start", "reload_wait"]
 
 _NS = "saved_tensors_hooks"
@@ -392,9 +391,7 @@ def _take_prefetched(cpu: Tensor, device: torch.device, stride: list[int] | None
 
 
 @torch.library.custom_op(f"{_NS}::reload_start", mutates_args=())
-def reload_start(
-    cpu: Tensor, device: torch.device, stride: list[int] | None = None
-) -> Tensor:
+def reload_start(cpu: Tensor, device: torch.device, stride: list[int] | None = None) -> Tensor:
     """Start copying host tensor ``cpu`` to ``device``; returns the copy's ticket.
 
     The destination has strides ``stride`` (``None``: ``cpu``'s).  The ticket is a 0-d
@@ -432,16 +429,12 @@ def _drop_unwaited(ticket: int) -> None:
 
 
 @reload_start.register_fake
-def _reload_start_fake(
-    cpu: Tensor, device: torch.device, stride: list[int] | None = None
-) -> Tensor:
+def _reload_start_fake(cpu: Tensor, device: torch.device, stride: list[int] | None = None) -> Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op(f"{_NS}::reload_wait", mutates_args=())
-def reload_wait(
-    ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None
-) -> Tensor:
+def reload_wait(ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None) -> Tensor:
     """Wait for the copy ``ticket`` names (started by :func:`reload_start`); return it.
 
     On CUDA the *current stream* waits (an event), not the host; the result may then be used
@@ -452,8 +445,7 @@ def reload_wait(
     entry = _in_flight.pop(key, None)
     if entry is None:
         raise RuntimeError(
-            f"saved_tensors_hooks::reload_wait: no reload in flight for ticket {key} "
-            "(each reload_start ticket is waited for exactly once)"
+            f"saved_tensors_hooks::reload_wait: no reload in flight for ticket {key} (each reload_start ticket is waited for exactly once)"
         )
     if entry.event is not None:
         torch.cuda.current_stream(entry.dst.device).wait_event(entry.event)
@@ -461,9 +453,7 @@ def reload_wait(
 
 
 @reload_wait.register_fake
-def _reload_wait_fake(
-    ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None
-) -> Tensor:
+def _reload_wait_fake(ticket: Tensor, cpu: Tensor, device: torch.device, stride: list[int] | None = None) -> Tensor:
     return _device_like(cpu, device, stride)
 
 

@@ -34,15 +34,26 @@ import torch
 
 from torch_patches import config
 from torch_patches.hooks import numerics
+from torch_patches.hooks._inlineable import inlineable, is_inlineable
 from torch_patches.hooks.markers import OTHERWISE_ATTR, SELECT_ATTR, SavedTensorInfo, decode
 from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
-from torch_patches.hooks._inlineable import inlineable, is_inlineable
-
 
 __all__ = [
-    "BF16", "EXACT", "FP8", "INT8", "HookPair", "OTHERWISE_ATTR", "SELECT_ATTR", "SavedTensorInfo", "numerics_safe", "select",
-    "select_otherwise", "tolerate", "unwrap_select",
+    "BF16",
+    "EXACT",
+    "FP8",
+    "INT8",
+    "HookPair",
+    "OTHERWISE_ATTR",
+    "SELECT_ATTR",
+    "SavedTensorInfo",
+    "numerics_safe",
+    "select",
+    "select_otherwise",
+    "tolerate",
+    "unwrap_select",
 ]
+
 
 class _Kept:
     """A saved tensor the predicate rejected (eager hooks): stored as it is."""
@@ -89,9 +100,7 @@ def select(
     """
     if not callable(where):
         raise TypeError(f"select: where must be callable, got {type(where).__name__}")
-    if otherwise is not None and not (
-        isinstance(otherwise, (tuple, list)) and len(otherwise) == 2 and all(map(callable, otherwise))
-    ):
+    if otherwise is not None and not (isinstance(otherwise, (tuple, list)) and len(otherwise) == 2 and all(map(callable, otherwise))):
         raise TypeError("select: otherwise must be a (pack, unpack) pair of callables")
     inner = unwrap_select((pack, unpack))
     if inner is not None and select_otherwise((pack, unpack)) is None:

@@ -42,9 +42,15 @@ def hf_llama(*, vocab: int, dim: int, layers: int, heads: int, seq: int, mlp_dim
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=llama_mlp_dim(dim) if mlp_dim is None else mlp_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=seq, attn_implementation="sdpa", tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=llama_mlp_dim(dim) if mlp_dim is None else mlp_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -55,9 +61,17 @@ def hf_gpt2(*, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
     import transformers
 
     config = transformers.GPT2Config(
-        vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, n_positions=seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_embd=dim,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -130,8 +144,6 @@ def cross_entropy_loss(pred: Any, labels: Any) -> Any:
     import torch
 
     return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
-
-    return CausalLMLoss()
 
 
 # ------------------------------------------------------------------ bench models
@@ -222,9 +234,16 @@ def hf_vit(*, dim: int, layers: int, heads: int, image: int, patch: int, labels:
     import transformers
 
     config = transformers.ViTConfig(
-        hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * dim,
-        image_size=image, patch_size=patch, num_labels=labels, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * dim,
+        image_size=image,
+        patch_size=patch,
+        num_labels=labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
     )
     return transformers.ViTForImageClassification(config)
 
@@ -266,4 +285,3 @@ def report_step(name: str, device: str, backend: str = "inductor") -> Callable[[
         (out if out.dim() == 0 else out.square().mean()).backward()
 
     return step
-

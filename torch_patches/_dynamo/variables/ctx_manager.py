@@ -36,12 +36,10 @@ import torch.fx as fx
 from torch._dynamo.variables.base import VariableTracker
 from torch._dynamo.variables.ctx_manager import ContextWrappingVariable
 
-from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._dynamo import region_scopes
+from torch_patches._functorch._aot_autograd import compile_facts, graph_compile, hook_tracing, utils as hook_utils
 from torch_patches._functorch._aot_autograd.hook_scopes import SCOPE_KEY
-from torch_patches._functorch._aot_autograd import graph_compile, hook_tracing, utils as hook_utils
 from torch_patches.hooks.markers import is_inlineable_hook
-
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +104,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
         from torch._dynamo.exc import unimplemented
 
         try:
-            bound = inspect.signature(torch.autograd.graph.saved_tensors_hooks.__init__).bind(
-                None, *args, **kwargs
-            )
+            bound = inspect.signature(torch.autograd.graph.saved_tensors_hooks.__init__).bind(None, *args, **kwargs)
         except TypeError as e:
             unimplemented(
                 gb_type="torch_patches: bad saved_tensors_hooks arguments",
@@ -123,8 +119,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
                 what = (
                     "a function defined inside the compiled region"
                     if value is None
-                    else f"{hook_utils.hook_name(value)}, which is neither an fx.GraphModule "
-                    "nor marked with torch_patches.hooks.inlineable"
+                    else f"{hook_utils.hook_name(value)}, which is neither an fx.GraphModule nor marked with torch_patches.hooks.inlineable"
                 )
                 unimplemented(
                     gb_type="torch_patches: saved_tensors_hooks with non-inlineable hooks",
@@ -154,9 +149,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
         pair = hook_tracing.HookPair(pack, unpack, "scope")
         # The tensors the hooks read become graph inputs (guarded on metadata); the hooks are
         # guarded on the rest of their content.
-        lifted = region_scopes.lift_scope_inputs(
-            tx, [(role, fn, source) for role, (fn, source, _) in zip(("pack", "unpack"), hooks)]
-        )
+        lifted = region_scopes.lift_scope_inputs(tx, [(role, fn, source) for role, (fn, source, _) in zip(("pack", "unpack"), hooks)])
         error = hook_tracing.trial_trace(pair, _region_devices(tx, lifted))
         if error is not None:
             if not hook_tracing.dynamo_fullgraph():
@@ -207,10 +200,7 @@ class SavedTensorsHooksVariable(ContextWrappingVariable):
             unimplemented(
                 gb_type="torch_patches: disable_saved_tensors_hooks inside saved_tensors_hooks",
                 context=str(disabled),
-                explanation=(
-                    "disable_saved_tensors_hooks entered inside a saved_tensors_hooks scope "
-                    f"(eager raises: {disabled})"
-                ),
+                explanation=(f"disable_saved_tensors_hooks entered inside a saved_tensors_hooks scope (eager raises: {disabled})"),
                 hints=[],
             )
         return result

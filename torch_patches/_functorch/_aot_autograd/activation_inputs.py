@@ -31,7 +31,6 @@ import torch.fx as fx
 
 from torch_patches import config
 
-
 #: Ops that may return their first argument's storage without being declared views.
 _STORAGE_SHARING_OPS = (torch.ops.aten._unsafe_view.default,)
 
@@ -86,9 +85,7 @@ def activation_inputs(
     }
     fw_outs = fw_module.graph.output_node().args[0][:num_inner_fwd_outputs]
     aliased_by_output |= {
-        placeholders.index(r)
-        for r in (storage_root(n) for n in fw_outs)
-        if isinstance(r, fx.Node) and r.op == "placeholder"
+        placeholders.index(r) for r in (storage_root(n) for n in fw_outs) if isinstance(r, fx.Node) and r.op == "placeholder"
     }
     out: dict[fx.Node, str | None] = {}
     for i, (ph, info) in enumerate(zip(placeholders, infos)):
@@ -117,9 +114,7 @@ def autograd_inputs(fw_module: fx.GraphModule, inner_meta: Any, static_input_ind
     if len(infos) != len(placeholders):
         return []
     static = set(static_input_indices)
-    return [
-        ph for i, (ph, info) in enumerate(zip(placeholders, infos)) if i not in static and info.requires_grad and not info.is_leaf
-    ]
+    return [ph for i, (ph, info) in enumerate(zip(placeholders, infos)) if i not in static and info.requires_grad and not info.is_leaf]
 
 
 def held_by_caller(fw_module: fx.GraphModule, inner_meta: Any, static_input_indices: Iterable[int]) -> set[fx.Node]:
@@ -160,9 +155,6 @@ def partially_hooked(
     for root, members in groups.items():
         kept = [m.name for m in members if m not in hooked]
         if kept and len(kept) < len(members):
-            why = (
-                f"shares graph input {root.name}'s storage with {', '.join(kept)}, which "
-                "stays unhooked: packing would not free it"
-            )
+            why = f"shares graph input {root.name}'s storage with {', '.join(kept)}, which stays unhooked: packing would not free it"
             out |= {m: why for m in members if m in hooked}
     return out

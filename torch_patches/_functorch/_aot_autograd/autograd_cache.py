@@ -18,7 +18,6 @@ from typing import Any
 
 from torch_patches._functorch._aot_autograd import compile_facts
 
-
 log = logging.getLogger(__name__)
 
 

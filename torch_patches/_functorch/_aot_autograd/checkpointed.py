@@ -30,7 +30,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 
-
 #: The policies under which a checkpoint recomputes a tagged op in the backward.
 RECOMPUTING = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 #: The policies under which a selective checkpoint keeps the op's output.

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["HeadSpec", "ChunkedLinearCrossEntropy", "chunk_bounds", "chunked_linear_cross_entropy", "keeps_logits_exactly"]
 
 #: The transforms a head may apply between its matmul and the loss, by name, each with one
@@ -207,7 +206,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor) -> Any:
         spec, bounds, k = ctx.spec, ctx.bounds, ctx.spec.returns
         h, weight, bias, target, count, *rest = ctx.saved_tensors
-        saved, lses = rest[: ctx.n_saved], rest[ctx.n_saved:]
+        saved, lses = rest[: ctx.n_saved], rest[ctx.n_saved :]
         scale = grad_loss / count if spec.reduction == "mean" else grad_loss
         grad_h, grad_w, grad_b = [], None, None
         for i, ((start, end), lse) in enumerate(zip(bounds, lses)):

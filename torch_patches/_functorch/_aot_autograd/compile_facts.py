@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-
 log = logging.getLogger(__name__)
 
 

@@ -41,28 +41,28 @@ import torch
 import torch.fx as fx
 
 from torch_patches import config
-from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
-from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
+    activation_budget,
     activation_inputs as act_inputs,
+    compile_facts,
+    hook_identity as hook_keys,
     hook_tracing,
     inline_fallback,
     inline_phases,
     saved_tensor_records as records,
     utils as hook_utils,
 )
-from torch_patches._functorch._aot_autograd import activation_budget
 from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, trial_trace  # noqa: F401 - public
-
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
 
 
 # --------------------------------------------------------------- compile decisions
+
 
 def _record_decision(inlined: bool) -> None:
     key = hook_keys.hooks_guard_key(hook_utils.ambient_saved_tensors_hooks())
@@ -92,8 +92,7 @@ def warn_untraceable_once(error: SavedTensorsHookError, consequence: str) -> Non
         except TypeError:
             pass
     warnings.warn(
-        f"torch_patches: {error}. {consequence}. Compile with fullgraph=True to make "
-        "this an error.",
+        f"torch_patches: {error}. {consequence}. Compile with fullgraph=True to make this an error.",
         SavedTensorsHookWarning,
         stacklevel=3,
     )
@@ -137,8 +136,12 @@ def maybe_inline_graph_saved_tensors_hooks(
         choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms())
         if offer is not None and ambient is not None:
             trial = functools.partial(
-                inline_phases.trial_plans, num_inner_fwd_outputs=num_inner_fwd_outputs, inner_meta=inner_meta,
-                aot_config=aot_config, static_input_indices=static_input_indices, ambient=ambient,
+                inline_phases.trial_plans,
+                num_inner_fwd_outputs=num_inner_fwd_outputs,
+                inner_meta=inner_meta,
+                aot_config=aot_config,
+                static_input_indices=static_input_indices,
+                ambient=ambient,
             )
             choice = partition_choice.choose_partition(
                 offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial
@@ -170,8 +173,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             raise
         warn_untraceable_once(
             e,
-            "Falling back to eager saved-tensors hooks for this graph (results stay "
-            "correct; memory is saved only as eager hooks save it)",
+            "Falling back to eager saved-tensors hooks for this graph (results stay correct; memory is saved only as eager hooks save it)",
         )
         log.debug("eager fallback for hooks %s", ambient.names, exc_info=True)
         _record_decision(inlined=False)

@@ -23,7 +23,6 @@ from torch_patches import config
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, Traced
 
-
 #: node.meta key on every node we insert: {"role": "pack"|"unpack", "saved": name, "hook": label}
 HOOK_META = "saved_tensors_hook"
 
@@ -152,9 +151,7 @@ def _forward_anchor(saved: fx.Node, order: dict[fx.Node, int], placement: str) -
     return anchor
 
 
-def _backward_insert_before(
-    bw_input: fx.Node, order: dict[fx.Node, int], placement: str, prefetch: int
-) -> fx.Node:
+def _backward_insert_before(bw_input: fx.Node, order: dict[fx.Node, int], placement: str, prefetch: int) -> fx.Node:
     """The node before which bw_input's unpack goes."""
     graph = bw_input.graph
     last_placeholder = graph.find_nodes(op="placeholder")[-1]
@@ -202,10 +199,7 @@ def merge_aliases(
     fw_g = fw_module.graph
     fw_out = fw_g.output_node()
     outs = list(fw_out.args[0])
-    keep = [
-        i < num_inner_fwd_outputs or not (isinstance(n, fx.Node) and n in aliases)
-        for i, n in enumerate(outs)
-    ]
+    keep = [i < num_inner_fwd_outputs or not (isinstance(n, fx.Node) and n in aliases) for i, n in enumerate(outs)]
     fw_out.args = (tuple(n for n, k in zip(outs, keep) if k),)
     desc = fw_out.meta.get("desc")
     if isinstance(desc, (list, tuple)) and len(desc) == len(outs):
@@ -308,9 +302,7 @@ def insert_unpack(
     else:
         lifted = []
     if len(placeholders) != len(leaves):
-        raise AssertionError(
-            f"unpack graph takes {len(placeholders)} inputs for {len(leaves)} packed leaves"
-        )
+        raise AssertionError(f"unpack graph takes {len(placeholders)} inputs for {len(leaves)} packed leaves")
     env: dict[fx.Node, Any] = dict(zip(lifted, plan.bw_inputs))
     new_inputs: dict[fx.Node, fx.Node] = {}
     users_before = list(bw_input.users)
@@ -378,8 +370,10 @@ def _restride(bw_g: fx.Graph, result: fx.Node, val: torch.Tensor, tag: dict[str,
 
     if not free_symbols((*val.shape, *val.stride())):
         empty = add(
-            torch.ops.aten.empty_strided.default, (list(val.shape), list(val.stride())),
-            val.new_empty_strided(val.shape, val.stride()), {"dtype": val.dtype, "device": val.device},
+            torch.ops.aten.empty_strided.default,
+            (list(val.shape), list(val.stride())),
+            val.new_empty_strided(val.shape, val.stride()),
+            {"dtype": val.dtype, "device": val.device},
         )
         return add(torch.ops.aten.copy.default, (empty, result), empty.meta["val"])
     hint = hook_utils.size_hint
@@ -449,9 +443,7 @@ def drop_dead_recomputed(fw_g: fx.Graph, nodes: list[fx.Node]) -> None:
             fw_g.erase_node(node)
 
 
-def saved_backward_inputs(
-    fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_inner_fwd_outputs: int
-) -> dict[str, fx.Node]:
+def saved_backward_inputs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_inner_fwd_outputs: int) -> dict[str, fx.Node]:
     """The backward's input for each forward output saved for it, by the forward node's name.
 
     AOTAutograd hands saved values over by position, not by name: the forward returns
@@ -545,9 +537,7 @@ def rewire_saved(
     desc = fw_out.meta.get("desc")
     fw_out.args = (tuple(inner + new_saved),)
     if isinstance(desc, (list, tuple)) and len(desc) == len(outs):
-        fw_out.meta["desc"] = list(desc[:num_inner_fwd_outputs]) + _saved_descs(
-            len(new_saved), len(t_vc), len(t_novc)
-        )
+        fw_out.meta["desc"] = list(desc[:num_inner_fwd_outputs]) + _saved_descs(len(new_saved), len(t_vc), len(t_novc))
 
     # Backward inputs in the same order, by name; everything else keeps its place.
     bw_g = bw_module.graph
@@ -575,9 +565,4 @@ def _saved_descs(n_saved: int, n_vc: int, n_novc: int) -> list[Any]:
         SavedForBackwardsNoVcCheckAOTOutput,
     )
 
-    return [
-        SavedForBackwardsNoVcCheckAOTOutput(i)
-        if n_vc <= i < n_vc + n_novc
-        else SavedForBackwardsAOTOutput(i)
-        for i in range(n_saved)
-    ]
+    return [SavedForBackwardsNoVcCheckAOTOutput(i) if n_vc <= i < n_vc + n_novc else SavedForBackwardsAOTOutput(i) for i in range(n_saved)]

@@ -24,7 +24,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-
 #: Function attributes whose assignment changes what a function computes.
 _FUNCTION_ATTRS = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
 
 
@@ -29,9 +28,7 @@ _IO_BUILTINS = frozenset({"print", "open", "input", "breakpoint", "exec", "eval"
 
 # Names whose use means code reads attributes by a computed name: every attribute of the
 # user modules it reaches is keyed (the ``ALL_ATTRS`` marker among the walk's names).
-_DYNAMIC_ATTR_NAMES = frozenset(
-    {"vars", "globals", "locals", "__dict__", "__getattribute__", "attrgetter", "getattr_static"}
-)
+_DYNAMIC_ATTR_NAMES = frozenset({"vars", "globals", "locals", "__dict__", "__getattribute__", "attrgetter", "getattr_static"})
 
 
 # Builtins that read an attribute named by their second argument.
@@ -77,14 +74,12 @@ def _is_library_root(root: str) -> bool:
 # Class-namespace entries that hold no behaviour of their own: descriptors of the instance
 # dict, the docstring, and dataclasses' bookkeeping (derived from the class body, whose
 # defaults and generated methods are keyed themselves).
-_CLASS_DICT_SKIP = frozenset(
-    {"__dict__", "__weakref__", "__doc__", "__dataclass_fields__", "__dataclass_params__"}
-)
+_CLASS_DICT_SKIP = frozenset({"__dict__", "__weakref__", "__doc__", "__dataclass_fields__", "__dataclass_params__"})
 
 
 def _cell_filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
@@ -116,8 +111,9 @@ class _CodeInfo:
     imports: tuple[tuple[int, str], ...]
 
 
-_SIMPLE_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CONST",
-                           "LOAD_CLOSURE", "LOAD_FAST_BORROW"})
+_SIMPLE_LOADS = frozenset(
+    {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CONST", "LOAD_CLOSURE", "LOAD_FAST_BORROW"}
+)
 
 
 _CALLS = frozenset({"CALL", "CALL_FUNCTION", "PRECALL"})

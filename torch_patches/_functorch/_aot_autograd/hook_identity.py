@@ -20,11 +20,10 @@ import weakref
 from typing import Any
 
 from torch_patches import config
-from torch_patches.hooks.markers import is_inlineable_hook, pair_is_inlineable
 from torch_patches._functorch._aot_autograd import hook_inputs
-from torch_patches._functorch._aot_autograd.hook_watch import Watches
 from torch_patches._functorch._aot_autograd.hook_walk import HookIdentity, _Walker, digest, own_source_digest
-
+from torch_patches._functorch._aot_autograd.hook_watch import Watches
+from torch_patches.hooks.markers import is_inlineable_hook, pair_is_inlineable
 
 # Attribute names found in each hook's reachable code, so the next walk of the same hook
 # starts from them and finishes in one pass (a hint: the walk checks it is complete).
@@ -34,7 +33,7 @@ _attr_hints: dict[int, tuple[weakref.ref[Any] | None, frozenset[str]]] = {}
 #: Which tensors a hook reads are runtime inputs of the graphs: all it reads (``True``, the
 #: ambient hooks), none (``False``), or those at the given paths from it (an in-region scope's
 #: hooks: the tensors Dynamo could make inputs at the hook's source).
-Lift = bool | frozenset[tuple["Step", ...]]
+Lift = bool | frozenset[tuple[hook_inputs.Step, ...]]
 
 
 # ------------------------------------------------------------------------- the walk
@@ -45,9 +44,9 @@ def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
     """The walk itself, with the walker whose watches re-check it (None: not cacheable)."""
     hint = _attr_hints.get(id(fn))
     attrs = hint[1] if hint is not None and hint[0] is not None and hint[0]() is fn else frozenset()
-    lifted = frozenset(
-        id(t.tensor) for t in hook_inputs.find_inputs(fn, "pack")[0] if lift is True or t.path in lift
-    ) if lift else frozenset()
+    lifted = (
+        frozenset(id(t.tensor) for t in hook_inputs.find_inputs(fn, "pack")[0] if lift is True or t.path in lift) if lift else frozenset()
+    )
     while True:
         walker = _Walker(attrs, lifted)
         try:
@@ -100,9 +99,7 @@ def hook_cache_hash(fn: Any) -> tuple[str | None, list[str]]:
     return (None, reasons) if reasons else (ident.digest, [])
 
 
-def hooks_cache_key(
-    pack: Any, unpack: Any, lift: Lift | tuple[Lift, Lift] = False
-) -> tuple[str | None, list[str]]:
+def hooks_cache_key(pack: Any, unpack: Any, lift: Lift | tuple[Lift, Lift] = False) -> tuple[str | None, list[str]]:
     """The compile-cache key of a hook pair with the torch_patches config: one function
     for ambient hooks and in-region scopes alike (``lift``: which tensors they read are
     graph inputs, keyed by metadata; one :data:`Lift` for both hooks, or one each). None
@@ -269,10 +266,6 @@ def _content_check(expected: HookIdentity, expected_config: Any, lift: Lift) -> 
     hook at its source at every call."""
 
     def check(value: Any) -> bool:
-        return (
-            is_inlineable_hook(value)
-            and hook_identity(value, lift).same_as(expected)
-            and config_key() == expected_config
-        )
+        return is_inlineable_hook(value) and hook_identity(value, lift).same_as(expected) and config_key() == expected_config
 
     return check

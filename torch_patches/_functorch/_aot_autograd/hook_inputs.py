@@ -33,7 +33,6 @@ import torch
 
 from torch_patches._functorch._aot_autograd.hook_code import _cell_filled, _global_names, _is_library_module, _is_own_module
 
-
 #: How deep the walk follows references from a hook function.
 _LIFT_MAX_DEPTH = 6
 

@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from torch_patches._functorch._aot_autograd import compile_facts
 
-
 #: ``node.meta["custom"]`` key naming the in-graph hooks scope a node was created in.
 SCOPE_KEY = "saved_tensors_hooks_scope"
 

@@ -24,13 +24,10 @@ from torch.fx.experimental.proxy_tensor import make_fx, py_sym_types
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_patches import config
-from torch_patches._functorch._aot_autograd import hook_audit
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import packed_subclasses, utils as hook_utils
-from torch_patches.hooks.markers import PairKind, decode
-from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
+from torch_patches._functorch._aot_autograd import hook_audit, hook_identity as hook_keys, packed_subclasses, utils as hook_utils
 from torch_patches._functorch._aot_autograd.hook_identity import hook_identity
-
+from torch_patches.hooks.markers import PairKind, decode
 
 _CONSTANT_TYPES = (
     type(None),
@@ -123,7 +120,7 @@ class Traced:
     out_args: Any  # output node args: pytree of fx.Node / constants
     out_vals: Any  # same structure, with example values
     # pack only: how tensor-subclass outputs were flattened into out_args (None: none were)
-    layout: "packed_subclasses.SubclassLayout | None" = None
+    layout: packed_subclasses.SubclassLayout | None = None
     #: How many trailing placeholders stand for tensors the hook reads that are runtime
     #: inputs of the graphs (``hook_inputs.find_inputs``), in the order they were given.
     num_inputs: int = 0
@@ -140,12 +137,8 @@ def hook_error(
 ) -> SavedTensorsHookError:
     """The error that says why ``fn`` cannot be inlined (for ``saved``, where known)."""
     hook = hook_utils.hook_name(fn)
-    where = "" if saved is None else (
-        f" for saved tensor {saved.name!r} ({hook_utils.describe_value(saved.meta.get('val'))})"
-    )
-    err = SavedTensorsHookError(
-        f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason
-    )
+    where = "" if saved is None else (f" for saved tensor {saved.name!r} ({hook_utils.describe_value(saved.meta.get('val'))})")
+    err = SavedTensorsHookError(f"{role} hook {hook} cannot be inlined{where}: {reason}", hook=hook, reason=reason)
     err.scope = pair.label  # type: ignore[attr-defined]
     err.identity = hook_identity(fn).digest  # type: ignore[attr-defined]
     err.hook_object = fn  # type: ignore[attr-defined]
@@ -213,7 +206,7 @@ def trace_hook(
     pair: HookPair,
     saved: fx.Node | None,
     context: HookContext | None = None,
-    layout: "packed_subclasses.SubclassLayout | None" = None,
+    layout: packed_subclasses.SubclassLayout | None = None,
     inputs: tuple[torch.Tensor, ...] = (),
 ) -> Traced:
     """make_fx one hook on ``example`` (a pytree), functionalized, with decompositions.
@@ -244,13 +237,10 @@ def trace_hook(
         for leaf in pytree.tree_leaves(out):
             if is_traceable_wrapper_subclass(leaf):  # unpack: the saved tensor is plain
                 raise _NotTraceableOutput(
-                    f"it returns a tensor subclass ({type(leaf).__qualname__}); unpack "
-                    "must return a plain tensor like the saved one"
+                    f"it returns a tensor subclass ({type(leaf).__qualname__}); unpack must return a plain tensor like the saved one"
                 )
             if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES, *py_sym_types)):
-                raise _NotTraceableOutput(
-                    f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
-                )
+                raise _NotTraceableOutput(f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant")
         return out
 
     fail = functools.partial(hook_error, fn, role=role, pair=pair, saved=saved)
@@ -294,9 +284,7 @@ def trace_hook(
     out_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), out_args)
     for leaf in pytree.tree_leaves(out_vals):
         if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES, *py_sym_types)):
-            raise fail(
-                f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant"
-            )
+            raise fail(f"it returns a {type(leaf).__name__}, which is neither a tensor nor a constant")
     return Traced(gm, out_args, out_vals, flattened[0], len(inputs))
 
 
@@ -311,9 +299,7 @@ def trace_pair(
 ) -> tuple[Traced, Traced]:
     """Trace ``pair.pack`` on ``example`` and ``pair.unpack`` on what pack returns
     (``inputs``: see :func:`trace_hook`)."""
-    pack = trace_hook(
-        pair.pack, example, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context, inputs=inputs
-    )
+    pack = trace_hook(pair.pack, example, aot_config=aot_config, role="pack", pair=pair, saved=saved, context=context, inputs=inputs)
     unpack = trace_hook(
         pair.unpack,
         pack.out_vals,
@@ -421,10 +407,7 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return all(
-        statically_known_true(sa == sb) or statically_known_true(n <= 1)
-        for sa, sb, n in zip(a.stride(), b.stride(), a.shape)
-    )
+    return all(statically_known_true(sa == sb) or statically_known_true(n <= 1) for sa, sb, n in zip(a.stride(), b.stride(), a.shape))
 
 
 def check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) -> bool:
@@ -442,8 +425,7 @@ def check_unpacked(out: Any, val: torch.Tensor, pair: HookPair, saved: fx.Node) 
 
     if not isinstance(out, torch.Tensor):
         raise SavedTensorsHookError(
-            f"unpack hook {hook} must return one tensor for saved tensor {saved.name!r}, "
-            f"got {type(out).__name__}",
+            f"unpack hook {hook} must return one tensor for saved tensor {saved.name!r}, got {type(out).__name__}",
             hook=hook,
             reason="unpack must return one tensor",
         )

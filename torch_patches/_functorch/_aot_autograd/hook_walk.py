@@ -86,9 +86,8 @@ from torch_patches._functorch._aot_autograd.hook_code import (
     _slot_values,
     _volatile_name,
 )
-from torch_patches.hooks.markers import CACHE_HASH_ATTR
 from torch_patches._functorch._aot_autograd.hook_watch import Watches, tensor_bytes, tensor_parts
-
+from torch_patches.hooks.markers import CACHE_HASH_ATTR
 
 # Tensors up to this many elements (on the CPU) are keyed by value; larger ones by identity.
 _TENSOR_VALUE_NUMEL = 4096
@@ -168,7 +167,7 @@ class HookIdentity:
     def digest(self) -> str:
         return digest(self.key)
 
-    def same_as(self, other: "HookIdentity") -> bool:
+    def same_as(self, other: HookIdentity) -> bool:
         return self.key == other.key
 
 
@@ -247,8 +246,17 @@ class _Walker:
             return ("enum", self.cls(type(v), d), v.name)
         if isinstance(v, (types.MemberDescriptorType, types.GetSetDescriptorType)):
             return ("descriptor", v.__objclass__.__qualname__, v.__name__)  # a slot, by name
-        if isinstance(v, (types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
-                          types.MethodWrapperType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(
+            v,
+            (
+                types.BuiltinFunctionType,
+                types.WrapperDescriptorType,
+                types.MethodDescriptorType,
+                types.MethodWrapperType,
+                torch._ops.OpOverload,
+                torch._ops.OpOverloadPacket,
+            ),
+        ):
             self.volatile(v)
             owner = getattr(v, "__self__", None)
             named = ("builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v)))
@@ -265,8 +273,15 @@ class _Walker:
     def tensor(self, t: torch.Tensor) -> Any:
         from torch._subclasses.fake_tensor import is_fake
 
-        meta = ("tensor", str(t.dtype), tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else str(t.layout),
-                str(t.device), t.requires_grad, type(t).__qualname__)
+        meta = (
+            "tensor",
+            str(t.dtype),
+            tuple(t.shape),
+            tuple(t.stride()) if t.layout == torch.strided else str(t.layout),
+            str(t.device),
+            t.requires_grad,
+            type(t).__qualname__,
+        )
         if is_fake(t):
             self.unkeyable.append("it captures a fake tensor (made while tracing), which has no value to run with")
             return meta
@@ -297,8 +312,7 @@ class _Walker:
         name = _volatile_name(v)
         if name is not None:
             self.unkeyable.append(
-                f"it calls {name}, whose result changes at every call: a compiled graph would "
-                "replay the value seen while tracing"
+                f"it calls {name}, whose result changes at every call: a compiled graph would replay the value seen while tracing"
             )
 
     def code(self, co: types.CodeType, depth: int) -> Any:
@@ -312,10 +326,7 @@ class _Walker:
         self.watches.function(fn)
         for cell in fn.__closure__ or ():
             self.watches.cell(cell)
-        closure = tuple(
-            self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",)
-            for cell in (fn.__closure__ or ())
-        )
+        closure = tuple(self.value(cell.cell_contents, depth) if _cell_filled(cell) else ("empty",) for cell in (fn.__closure__ or ()))
         return (
             self.value(fn.__defaults__, depth),
             self.value(fn.__kwdefaults__, depth),
@@ -376,9 +387,7 @@ class _Walker:
         """Every entry of a user module's namespace but its dunders (import machinery)."""
         before = len(self.unkeyable)
         self.watches.dict(ns)
-        key = tuple(
-            (k, self.value(v, depth)) for k, v in sorted(ns.items()) if not (k.startswith("__") and k.endswith("__"))
-        )
+        key = tuple((k, self.value(v, depth)) for k, v in sorted(ns.items()) if not (k.startswith("__") and k.endswith("__")))
         self.unkeyable[before:] = [
             f"{reason} (every global of module {ns.get('__name__', '?')!r} is keyed: the hook reads "
             "attributes by a computed name, e.g. getattr(obj, name) with a non-constant name)"
@@ -432,11 +441,7 @@ class _Walker:
                 mro.append(("lib-class", base.__module__, base.__qualname__))
                 continue
             self.watches.mapping(base.__dict__)
-            entries = tuple(
-                (k, self.value(v, depth))
-                for k, v in base.__dict__.items()
-                if k not in _CLASS_DICT_SKIP
-            )
+            entries = tuple((k, self.value(v, depth)) for k, v in base.__dict__.items() if k not in _CLASS_DICT_SKIP)
             mro.append(("class", base.__module__, base.__qualname__, entries))
         return ("class-mro", tuple(mro))
 

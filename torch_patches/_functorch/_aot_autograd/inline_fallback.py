@@ -41,7 +41,6 @@ from torch_patches import config
 from torch_patches._errors import SavedTensorsHookConfigError, SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd import compile_facts, offload_prefetch, saved_tensor_records as records
 
-
 log = logging.getLogger(__name__)
 
 #: The attribute tables of an ``nn.Module`` the phases may add to (constants a hook
@@ -74,9 +73,7 @@ class GraphPairSnapshot:
         offload_prefetch.mark(self.inner_meta, 0, 0)
 
 
-def snapshot(
-    fw_module: fx.GraphModule, bw_module: fx.GraphModule, inner_meta: Any, ambient: Any, found: Any
-) -> GraphPairSnapshot | None:
+def snapshot(fw_module: fx.GraphModule, bw_module: fx.GraphModule, inner_meta: Any, ambient: Any, found: Any) -> GraphPairSnapshot | None:
     """The modules' :class:`GraphPairSnapshot` where the compilation has hooks (``ambient``,
     or in-region scopes on its facts ``found``); None without: nothing rewrites them."""
     if ambient is None and (found is None or not found.scopes):

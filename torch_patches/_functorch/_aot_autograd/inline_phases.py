@@ -30,11 +30,13 @@ import torch.utils._pytree as pytree
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookConfigError
-from torch_patches._functorch._aot_autograd import checkpointed, compile_facts, hook_scopes
 from torch_patches._functorch._aot_autograd import (
     activation_budget,
     activation_inputs as act_inputs,
+    checkpointed,
+    compile_facts,
     graph_surgery,
+    hook_scopes,
     hook_tracing,
     offload_prefetch,
     saved_numerics,
@@ -42,7 +44,6 @@ from torch_patches._functorch._aot_autograd import (
     utils as hook_utils,
 )
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
-
 
 #: The inliner logs as the entry point it serves.
 UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
@@ -90,9 +91,7 @@ def _filtered_by_mode(
         raise SavedTensorsHookConfigError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
     # Donated buffers: saved intermediates that alias no graph input or output, so
     # packing them really frees their memory.
-    if aot_utils.contain_metadata_mutation_ops(
-        fw_module
-    ) or aot_utils.contain_metadata_mutation_ops(bw_module):
+    if aot_utils.contain_metadata_mutation_ops(fw_module) or aot_utils.contain_metadata_mutation_ops(bw_module):
         return set()
 
     def vals(nodes: Any) -> list[Any]:
@@ -282,9 +281,7 @@ class _GraphPair:
     def __post_init__(self) -> None:
         fw_outs = list(self.fw_module.graph.output_node().args[0])
         self.saved_tensors = [
-            n
-            for n in fw_outs[self.num_inner_fwd_outputs :]
-            if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+            n for n in fw_outs[self.num_inner_fwd_outputs :] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
         ]
         # The backward input of each saved tensor, by its forward name (by position:
         # AOTAutograd's convention; the names may differ).
@@ -345,11 +342,21 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
     scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
     if all(pair is None for _, pair in scoped):
         if publish and records.observed():  # a report: what a graph without hooks saves
-            records.publish(records.CompiledSavedTensors(
-                _checkpointed([records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
-                               for n in graphs.saved_tensors], graphs, bw_order, fw_order),
-                stock_pareto=stock_pareto(), **lengths,
-            ))
+            records.publish(
+                records.CompiledSavedTensors(
+                    _checkpointed(
+                        [
+                            records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
+                            for n in graphs.saved_tensors
+                        ],
+                        graphs,
+                        bw_order,
+                        fw_order,
+                    ),
+                    stock_pareto=stock_pareto(),
+                    **lengths,
+                )
+            )
         return None
     facts = _backward_facts(graphs.fw_module, graphs.bw_module, graphs.held)
     all_records = [
@@ -383,23 +390,28 @@ def _prepare(
     that cannot be keyed raises first, before any decision).  Returns the facts the budget's
     plans read, and upstream's filtering mode's allowed set and the forward's inputs."""
     fw_module, saved_tensors = graphs.fw_module, graphs.saved_tensors
-    allowed = _filtered_by_mode(
-        fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices
-    )
-    inputs = act_inputs.activation_inputs(
-        fw_module, graphs.inner_meta, graphs.static_input_indices, graphs.num_inner_fwd_outputs
-    )
+    allowed = _filtered_by_mode(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices)
+    inputs = act_inputs.activation_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices, graphs.num_inner_fwd_outputs)
     if allowed is not None:  # "donated": also the activations packing frees (see module)
         allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
     for pair in dict.fromkeys(r.pair for r in candidates):
         hook_tracing.check_keyable(pair)
     budgeted = any(r.pair.kind.budget is not None for r in candidates)
-    output_aliases = _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs) if allowed is not None and budgeted else set()
+    output_aliases = (
+        _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs)
+        if allowed is not None and budgeted
+        else set()
+    )
     _filter(candidates, allowed, inputs, output_aliases)
     _select(candidates)
     _mark_aliases(candidates)
     facts = activation_budget.GraphFacts(
-        fw_module.graph, graphs.bw_module.graph, graphs.bw_inputs, inputs, graphs.held, saved_tensors,
+        fw_module.graph,
+        graphs.bw_module.graph,
+        graphs.bw_inputs,
+        inputs,
+        graphs.held,
+        saved_tensors,
         {r.node: r for r in candidates},
         tuple(
             records.input_source_name(ph, graphs.sources) or ph.name
@@ -484,9 +496,7 @@ def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> l
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]
         restride = hook_tracing.check_unpacked(out, val, pair, saved)
-        plans.append(graph_surgery.SavedPlan(
-            saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]
-        ))
+        plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]))
     # The host tensors the backward reloads (cpu_offload): their graph's backward node starts
     # them ahead, from the graph autograd runs before it (offload_prefetch).
     reloads = [n.args[0] for p in plans for n in graph_surgery.reload_starts(p.unpack.gm)]
@@ -517,9 +527,7 @@ def _rewrite(
     packed_leaves: dict[fx.Node, list[Any]] = {}
     fw_tail: dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
     for plan in plans:
-        packed_leaves[plan.saved] = graph_surgery.insert_pack(
-            plan, fw_module, bw_g, fw_order, placement, fw_tail
-        )
+        packed_leaves[plan.saved] = graph_surgery.insert_pack(plan, fw_module, bw_g, fw_order, placement, fw_tail)
     bw_input_of: dict[fx.Node, fx.Node] = {}
     lifted_fw = tuple(dict.fromkeys(n for p in plans for n in p.fw_inputs))
     lifted_bw = _backward_inputs(bw_g, lifted_fw) if any(p.unpack.num_inputs for p in plans) else ()
@@ -549,9 +557,7 @@ def _rewrite(
             read_back.append(fw_node)
         else:
             bw_g.erase_node(bw_node)
-    graph_surgery.rewire_saved(
-        fw_module, bw_module, graphs.num_inner_fwd_outputs, packed_leaves, bw_input_of, bw_inputs, read_back
-    )
+    graph_surgery.rewire_saved(fw_module, bw_module, graphs.num_inner_fwd_outputs, packed_leaves, bw_input_of, bw_inputs, read_back)
     graph_surgery.drop_dead_recomputed(fw_g, [n for recipe in recomputed.values() for n in recipe.nodes])
     fw_g.lint()
     bw_g.lint()
@@ -623,9 +629,7 @@ def _device_bytes(packed: Any, device: torch.device) -> int:
     return total
 
 
-def _log_graphs(
-    fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config: Any, when: str, out: list[str]
-) -> None:
+def _log_graphs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config: Any, when: str, out: list[str]) -> None:
     """Upstream's logs of the graphs before (``when="pre"``) and after inlining.
 
     As upstream's inliner: ``aot_graphs`` log lines and, after inlining, one structured-trace

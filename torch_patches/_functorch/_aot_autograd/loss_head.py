@@ -44,7 +44,6 @@ from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, chunked_linear_cross_entropy, keeps_logits_exactly
 
-
 __all__ = ["LossHead", "find_loss_heads", "rewrite_loss_heads", "chunks_for"]
 
 log = logging.getLogger(__name__)
@@ -297,8 +296,12 @@ def _rewrite(gm: fx.GraphModule, head: LossHead, chunks: int, recompute: bool) -
     if after is None:
         return "the returned logits are read before the loss's target is computed"
     spec = HeadSpec(
-        transforms=tuple(head.transforms), returns=head.returned_stage, ignore_index=head.ignore_index,
-        reduction=head.reduction, chunks=chunks, recompute=recompute,
+        transforms=tuple(head.transforms),
+        returns=head.returned_stage,
+        ignore_index=head.ignore_index,
+        reduction=head.reduction,
+        chunks=chunks,
+        recompute=recompute,
     )
     graph = gm.graph
     with graph.inserting_after(after):
@@ -350,8 +353,13 @@ def rewrite_loss_heads(gm: fx.GraphModule, memory: float | int) -> list[LossHead
         artifact.debug(
             "%s: chunked in %d chunks of tokens (%d tokens x %d vocabulary, transforms %s; %s); "
             "the unchunked head's (tokens x vocabulary) float32 tensors hold %d B each",
-            head.describe(), chunks, head.tokens, head.vocab, head.transforms or "none",
-            _logits_fate(head, recompute), head.logits_bytes,
+            head.describe(),
+            chunks,
+            head.tokens,
+            head.vocab,
+            head.transforms or "none",
+            _logits_fate(head, recompute),
+            head.logits_bytes,
         )
         done.append(head)
     if done:

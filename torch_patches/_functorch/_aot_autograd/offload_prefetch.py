@@ -45,7 +45,6 @@ import torch
 from torch_patches import config
 from torch_patches.hooks import offload as offload_ops
 
-
 __all__ = ["MAX_NODES", "Reloads", "link", "mark", "prefetching", "reloads_of"]
 
 #: The most autograd nodes one backward pre-hook looks at to find the graphs autograd runs

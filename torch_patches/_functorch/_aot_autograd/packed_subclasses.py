@@ -26,7 +26,7 @@ class _Rebuild:
     cls: type
     ctx: Any
     attrs: tuple[str, ...]
-    inner: "tuple[_Rebuild | None, ...]"  # per attribute: a nested subclass, or None
+    inner: tuple[_Rebuild | None, ...]  # per attribute: a nested subclass, or None
     ndim: int
 
 
@@ -75,10 +75,7 @@ def flatten_subclasses(packed: Any) -> tuple[Any, SubclassLayout | None]:
 
 
 def _rebuild_one(r: _Rebuild, it: Iterator[Any]) -> Any:
-    inner = {
-        attr: _rebuild_one(sub, it) if sub is not None else next(it)
-        for attr, sub in zip(r.attrs, r.inner)
-    }
+    inner = {attr: _rebuild_one(sub, it) if sub is not None else next(it) for attr, sub in zip(r.attrs, r.inner)}
     size = tuple(next(it) for _ in range(r.ndim))
     stride = tuple(next(it) for _ in range(r.ndim))
     return r.cls.__tensor_unflatten__(inner, r.ctx, size, stride)

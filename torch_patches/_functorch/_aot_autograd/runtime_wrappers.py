@@ -20,15 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from torch._functorch._aot_autograd import runtime_wrappers as _upstream_runtime_wrappers
 from torch.utils import _python_dispatch
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError
-from torch_patches._functorch._aot_autograd import hook_identity as hook_keys
 from torch_patches._functorch._aot_autograd import (
     compile_facts,
+    hook_identity as hook_keys,
     offload_prefetch,
     saved_tensor_records as records,
     utils as hook_utils,
@@ -139,11 +138,7 @@ def _contract_hooks(
             return p.tensor
         out = unpack(p.packed)
         if validate:
-            got = (
-                (out.dtype, out.shape, out.device)
-                if isinstance(out, torch.Tensor)
-                else None
-            )
+            got = (out.dtype, out.shape, out.device) if isinstance(out, torch.Tensor) else None
             if got != (p.dtype, p.shape, p.device):
                 hook = hook_utils.hook_name(unpack)
                 expected = hook_utils.describe_tensor(p.dtype, p.shape, p.device)
@@ -184,9 +179,7 @@ def _restride(out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``out`` with the saved tensor's strides: a compiled backward was built for them
     (Inductor asserts them), but a hook may hand back a compact copy of a view with gaps
     (``q`` of a fused qkv projection) or a transposed tensor."""
-    if out.dim() == len(stride) and all(
-        size < 2 or a == b for size, a, b in zip(out.shape, out.stride(), stride)
-    ):
+    if out.dim() == len(stride) and all(size < 2 or a == b for size, a, b in zip(out.shape, out.stride(), stride)):
         return out
     fixed = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device)
     fixed.copy_(out)

@@ -46,7 +46,6 @@ from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient
 from torch_patches.hooks import numerics
 from torch_patches.hooks.numerics import BF16, EXACT, FP8, INT8
 
-
 #: The most nodes one saved tensor's walk visits before it gives up (and keeps it exact).
 MAX_NODES = 512
 
@@ -142,9 +141,7 @@ def verdict(saved: fx.Node, bw_input: fx.Node | None, facts: BackwardFacts | set
                     continue  # carried on to the result: what it meets decides
                 if numerics.rank(got) < numerics.rank(level):
                     level = got
-                    why = f"read as {label}" + (
-                        " (not on the numerics allowlist)" if got == EXACT else f" (tolerates {got})"
-                    )
+                    why = f"read as {label}" + (" (not on the numerics allowlist)" if got == EXACT else f" (tolerates {got})")
             if user in seen:
                 continue
             seen.add(user)
@@ -156,8 +153,24 @@ def verdict(saved: fx.Node, bw_input: fx.Node | None, facts: BackwardFacts | set
 
 #: Ops a weight gradient may pass through on its way to the graph's output.
 _ACCUMULATE = frozenset(
-    {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "clone", "contiguous",
-     "_to_copy", "convert_element_type", "add", "sum", "squeeze", "unsqueeze", "expand", "alias"}
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "clone",
+        "contiguous",
+        "_to_copy",
+        "convert_element_type",
+        "add",
+        "sum",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "alias",
+    }
 )
 
 
@@ -365,6 +378,14 @@ def reader_ops(readers: tuple[str, ...]) -> tuple[str, ...]:
 
 
 __all__ = [
-    "BF16", "BackwardFacts", "EXACT", "FP8", "INT8", "Verdict", "producer_verdict", "reader_ops", "tangent_dependent",
+    "BF16",
+    "BackwardFacts",
+    "EXACT",
+    "FP8",
+    "INT8",
+    "Verdict",
+    "producer_verdict",
+    "reader_ops",
+    "tangent_dependent",
     "verdict",
 ]

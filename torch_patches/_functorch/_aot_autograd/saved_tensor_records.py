@@ -36,15 +36,24 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_patches._functorch._aot_autograd import compile_facts
-from torch_patches._functorch._aot_autograd import saved_numerics, utils as hook_utils
+from torch_patches._functorch._aot_autograd import compile_facts, saved_numerics, utils as hook_utils
 from torch_patches.hooks.markers import SavedTensorInfo
 
-
 __all__ = [
-    "ALIAS", "HOOKED", "RECOMPUTED", "UNHOOKED", "BudgetPlanSummary", "CompiledSavedTensors",
+    "ALIAS",
+    "HOOKED",
+    "RECOMPUTED",
+    "UNHOOKED",
+    "BudgetPlanSummary",
+    "CompiledSavedTensors",
     "PlannedStorage",
-    "SavedTensorRecord", "collect", "log_records", "observed", "producer_of", "publish", "recording",
+    "SavedTensorRecord",
+    "collect",
+    "log_records",
+    "observed",
+    "producer_of",
+    "publish",
+    "recording",
     "keep_with",
 ]
 
@@ -382,13 +391,25 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
         if p.partitioner_ratio is not None:
             artifact.debug(
                 "budget plan (%s): the partitioner's cheap recomputation saves %.3f of the activation bytes; %s",
-                p.scope, p.partitioner_ratio, "it meets the budget" if p.partitioner_met else "the plan starts from the default partition",
+                p.scope,
+                p.partitioner_ratio,
+                "it meets the budget" if p.partitioner_met else "the plan starts from the default partition",
             )
         artifact.debug(
             "budget plan (%s): %d B planned of %d B saved, budget %d B; peak %d B at %s; est %.3f ms; %s (%s); bounds: %s; "
             "with the graphs' own tensors the step peaks at %s B at %s",
-            p.scope, p.planned_bytes, p.baseline_bytes, p.budget_bytes, p.peak_bytes, p.peak_at,
-            p.estimated_ms, "met" if p.met else "NOT met", p.preference, p.bounds, p.predicted_peak_bytes, p.predicted_peak_at,
+            p.scope,
+            p.planned_bytes,
+            p.baseline_bytes,
+            p.budget_bytes,
+            p.peak_bytes,
+            p.peak_at,
+            p.estimated_ms,
+            "met" if p.met else "NOT met",
+            p.preference,
+            p.bounds,
+            p.predicted_peak_bytes,
+            p.predicted_peak_at,
         )
         for head in p.loss_heads:
             artifact.debug("budget plan (%s): %s", p.scope, head)

@@ -11,7 +11,6 @@ key hooks by *content*, so an identical hook recreated every step is the same ho
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from typing import Any
 
@@ -74,9 +73,7 @@ def activation_bytes(values: list[Any], inputs: list[Any]) -> int:
 def mutated_inputs(graph: torch.fx.Graph) -> set[str]:
     """The names of the graph's inputs it mutates (functionalized: ``copy_`` into them)."""
     return {
-        n.args[0].name
-        for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
-        if n.args[0].op == "placeholder"
+        n.args[0].name for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default) if n.args[0].op == "placeholder"
     }
 
 
@@ -165,7 +162,5 @@ def is_hookable_dtype(dtype: torch.dtype) -> bool:
     if policy == "all":
         return True
     if policy != "float":
-        raise SavedTensorsHookConfigError(
-            f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}"
-        )
+        raise SavedTensorsHookConfigError(f"torch_patches.config.hooked_saved_tensor_dtypes must be 'float' or 'all', got {policy!r}")
     return dtype.is_floating_point or dtype.is_complex

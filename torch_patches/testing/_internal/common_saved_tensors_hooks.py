@@ -20,25 +20,25 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo.test_case
 import torch._dynamo.testing
 import torch.fx as fx
+from torch.testing._internal.common_device_type import (
+    instantiate_device_type_tests as _instantiate_device_type_tests,
+)
+
 from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
     hook_nodes,
     normalize_graph,
 )
-from torch.testing._internal.common_device_type import (
-    instantiate_device_type_tests as _instantiate_device_type_tests,
-)
 
 if TYPE_CHECKING:
     from torch_patches._errors import SavedTensorsHookError
-
 
 
 #: (major, minor) of the installed torch, for per-version goldens.
@@ -159,9 +159,7 @@ class TestCase(torch._dynamo.test_case.TestCase):
         self, gm: fx.GraphModule, expect: str, *, mark_hooks: bool = True, skip: int = 0
     ) -> None:
         """``assertExpectedInline`` on :func:`normalize_graph` of ``gm``."""
-        self.assertExpectedInline(
-            normalize_graph(gm, mark_hooks=mark_hooks), expect, skip=skip + 1
-        )
+        self.assertExpectedInline(normalize_graph(gm, mark_hooks=mark_hooks), expect, skip=skip + 1)
 
     @contextlib.contextmanager
     def assertRaisesHookError(self, regex: str = "") -> Iterator[list[SavedTensorsHookError]]:  # noqa: N802

@@ -93,9 +93,7 @@ class RowScaled(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, scale):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), dtype=scale.dtype, device=data.device
-        )
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=scale.dtype, device=data.device)
 
     def __init__(self, data, scale):
         self.data_ = data

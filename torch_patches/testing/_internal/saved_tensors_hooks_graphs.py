@@ -23,7 +23,6 @@ import torch
 import torch._dynamo.testing
 import torch.fx as fx
 
-
 # ------------------------------------------------------------------ graph capture
 
 
@@ -108,9 +107,7 @@ class _RoleNamer:
     """
 
     def __init__(self, dynamo_gm: fx.GraphModule) -> None:
-        self.inputs = [
-            re.sub(r"^l_|_$", "", n.name) for n in dynamo_gm.graph.find_nodes(op="placeholder")
-        ]
+        self.inputs = [re.sub(r"^l_|_$", "", n.name) for n in dynamo_gm.graph.find_nodes(op="placeholder")]
         self.roles: dict[str, Any] | None = None
 
     def mark(self, g: fx.GraphModule, *, backward: bool) -> fx.GraphModule:
@@ -237,6 +234,7 @@ def _renumber(text: str) -> str:
             n += 1
         counts[stem] = n + 1
         mapping[name] = new
+
     def rename(line: str) -> str:
         code, sep, comment = line.partition("  # ")
         return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), code) + sep + comment

@@ -104,6 +104,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
     options_for,
     windows,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_fit, exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.planner import (
     SOLVER,
     GraphFacts,
@@ -114,7 +115,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.planner import (
     option_hooks,
     plan,
 )
-from torch_patches._functorch._aot_autograd.activation_budget.summary import summarize
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import (
     RECOMPUTE_MAX_NODES,
     Recipe,
@@ -123,7 +123,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.recompute import (
     recompute_recipe,
     with_recipes,
 )
-from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_fit, exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     KEEP,
     LOSS,
@@ -138,7 +137,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     lower_hull,
     solve,
 )
-
+from torch_patches._functorch._aot_autograd.activation_budget.summary import summarize
 
 __all__ = [
     "KEEP",

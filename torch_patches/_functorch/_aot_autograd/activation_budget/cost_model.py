@@ -14,14 +14,22 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torch_patches import config
-from torch_patches.hooks import numerics
 from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
 from torch_patches._functorch._aot_autograd.utils import nbytes_of, size_hint
+from torch_patches.hooks import numerics
 from torch_patches.hooks.select import numerics_safe
 
-
 __all__ = [
-    "KEEP", "LOSS", "RECOMPUTE", "Option", "Rates", "copy_engine", "copy_ms", "graph_compute_ms", "lossy_tolerance", "options_for",
+    "KEEP",
+    "LOSS",
+    "RECOMPUTE",
+    "Option",
+    "Rates",
+    "copy_engine",
+    "copy_ms",
+    "graph_compute_ms",
+    "lossy_tolerance",
+    "options_for",
     "windows",
 ]
 
@@ -36,7 +44,7 @@ class Rates:
     kernel_ms: float
 
     @staticmethod
-    def for_device(device: torch.device) -> "Rates":
+    def for_device(device: torch.device) -> Rates:
         cuda = device.type == "cuda"
 
         def knob(value: float | None, cpu: float, gpu: float) -> float:
@@ -62,7 +70,6 @@ def copy_engine(device: torch.device) -> bool:
     beside the compute (CUDA: a copy stream to pinned host memory).  Elsewhere offload is a
     plain copy to the same memory, never a storage option."""
     return device.type == "cuda"
-
 
 
 def options_for(

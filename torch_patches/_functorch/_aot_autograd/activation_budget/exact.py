@@ -19,7 +19,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     greedy_fit,
 )
 
-
 #: The most partial plans :func:`exact_fit` keeps at one point before it gives up.
 EXACT_MAX_STATES = 5_000
 

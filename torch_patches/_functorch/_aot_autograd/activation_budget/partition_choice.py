@@ -43,8 +43,8 @@ from torch import fx
 from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
-from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
+from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.working_set import unplanned_peak
 from torch_patches._functorch._aot_autograd.compile_facts import PartitionOffer
 from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, SavedTensorRecord
@@ -123,12 +123,20 @@ def _cheap_holds_no_more(offer: PartitionOffer, graphs: _Graphs) -> bool:
     if cheap > none * (1 + PEAK_TOLERANCE):
         artifact.debug(
             "budget %.3g: the partitioner's cheap recomputation (%.3f of the activation bytes) kept out: its step "
-            "peaks at %d B, above the %d B of the default partition without a budget", offer.fraction, offer.cheap_ratio, cheap, none,
+            "peaks at %d B, above the %d B of the default partition without a budget",
+            offer.fraction,
+            offer.cheap_ratio,
+            cheap,
+            none,
         )
         return False
     artifact.debug(
         "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the activation bytes "
-        "(its step peaks at %d B, the default partition's at %d B)", offer.fraction, offer.cheap_ratio, cheap, none,
+        "(its step peaks at %d B, the default partition's at %d B)",
+        offer.fraction,
+        offer.cheap_ratio,
+        cheap,
+        none,
     )
     _adopt(graphs.fw, made[0])
     _adopt(graphs.bw, made[1])
@@ -154,7 +162,9 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
         # Upstream's knapsack recomputes random ops without their RNG state, and ops reading
         # an input the forward mutates, after the mutation (stock's activation_memory_budget
         # then computes other gradients).
-        artifact.debug("budget %.3g: the partitioner's knapsack recomputes a random op or from a mutated input; the plan stands", offer.fraction)
+        artifact.debug(
+            "budget %.3g: the partitioner's knapsack recomputes a random op or from a mutated input; the plan stands", offer.fraction
+        )
         return stands
     ratio = _saved_activation_bytes(fw_k, graphs.num_fwd_outputs) / offer.default_bytes
     knapsack_terms = dataclasses.replace(default_terms, ratio=ratio)
@@ -188,7 +198,9 @@ def _repartition(offer: PartitionOffer, fraction: float, graphs: _Graphs) -> tup
     try:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             return torch._functorch.partitioners.min_cut_rematerialization_partition(
-                offer.joint_module, None, num_fwd_outputs=graphs.num_fwd_outputs,
+                offer.joint_module,
+                None,
+                num_fwd_outputs=graphs.num_fwd_outputs,
                 static_lifetime_input_indices=graphs.static_input_indices,
             )
     except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
@@ -221,7 +233,7 @@ def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
     does not end it: twice the bytes of the outputs that require grad (they and their
     gradients).  A graph returning a scalar that requires grad returns its step's loss: the
     rest of its outputs are the caller's to drop (HF's logits beside the loss), 0."""
-    outs = fw_module.graph.output_node().args[0][getattr(inner_meta, "num_mutated_inp_runtime_indices", 0):]
+    outs = fw_module.graph.output_node().args[0][getattr(inner_meta, "num_mutated_inp_runtime_indices", 0) :]
     grads = [
         node
         for info, node in zip(getattr(inner_meta, "output_info", ()), outs)
@@ -254,7 +266,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
 def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, forward_end: bool) -> int:
     """A partition's score (:func:`_score`) without a plan: its bytes at the forward's end
     where the budget bounds that, else the step's peak as the graph sees it."""
-    saved = [n for n in fw.graph.output_node().args[0][graphs.num_fwd_outputs:] if isinstance(n, fx.Node)]
+    saved = [n for n in fw.graph.output_node().args[0][graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
     names = {n.name for n in saved}
     bw_saved = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in names]
     peak, at_end, _ = unplanned_peak(fw.graph, bw.graph, saved, bw_saved)
@@ -272,7 +284,9 @@ def _extra_ms(default: tuple[fx.GraphModule, fx.GraphModule], knapsack: tuple[fx
 # ------------------------------------------------------------ the weighing (pure over plans)
 
 
-def _better(ours: list[Plan], theirs: list[Plan], extra: tuple[float, float], after: int, none: int | None = None) -> tuple[bool | None, str]:
+def _better(
+    ours: list[Plan], theirs: list[Plan], extra: tuple[float, float], after: int, none: int | None = None
+) -> tuple[bool | None, str]:
     """Whether the knapsack's partition (its plan ``theirs``) is taken over the default's
     (``ours``), and why in words.  Where our plan misses the budget: the lower score
     (:func:`_score`).  Where it meets it with lossy storage: the knapsack when it meets it
@@ -353,11 +367,19 @@ def _fit_under(
         return True, f"taken: {why}, but it holds {goal} B where the plan's options hold {held} B at least", None
     in_time, allowed = _in_time(mine, extra)
     if in_time:
-        return True, (
-            f"taken: it holds {goal} B; the plan fitted under it (estimated {mine.estimated_ms:.3f} ms) leaves its "
-            f"recomputation {extra[0]:.3f} ms <= {allowed:.3f} ms"
-        ), None
-    return False, (
-        f"kept out: {why}; the plan is fitted under what it holds instead ({held} B against its {goal} B, "
-        f"estimated {mine.estimated_ms:.3f} ms)"
-    ), cap
+        return (
+            True,
+            (
+                f"taken: it holds {goal} B; the plan fitted under it (estimated {mine.estimated_ms:.3f} ms) leaves its "
+                f"recomputation {extra[0]:.3f} ms <= {allowed:.3f} ms"
+            ),
+            None,
+        )
+    return (
+        False,
+        (
+            f"kept out: {why}; the plan is fitted under what it holds instead ({held} B against its {goal} B, "
+            f"estimated {mine.estimated_ms:.3f} ms)"
+        ),
+        cap,
+    )

@@ -26,8 +26,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
 )
 from torch_patches._functorch._aot_autograd.activation_budget.exact import exact_or_greedy_fit
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import Recipe, with_recipes
-from torch_patches._functorch._aot_autograd.activation_budget.summary import OFFLOADS, summarize
-from torch_patches._functorch._aot_autograd.activation_budget.working_set import predicted_peak
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     KEEP,
     LOSS,
@@ -42,6 +40,8 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     _unpenalized,
     greedy_fit,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.summary import OFFLOADS, summarize
+from torch_patches._functorch._aot_autograd.activation_budget.working_set import predicted_peak
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     ALIAS,
@@ -49,12 +49,11 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     RECOMPUTED,
     BudgetPlanSummary,
     SavedTensorRecord,
+    observed as records_observed,
 )
-from torch_patches._functorch._aot_autograd.saved_tensor_records import observed as records_observed
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 from torch_patches.hooks import chain, cpu_offload, inlineable
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack, fp8_rowwise, int8_rowwise
-
 
 #: What the plans are fitted with: the exact programme where it applies, else the greedy
 #: (:mod:`.exact`).  The floor's plan is always the greedy's: it brings every point as low
@@ -215,9 +214,7 @@ def build_choices(spec: Any, facts: GraphFacts, members: list[fx.Node], plannabl
             why = f"options={'/'.join(spec.options)} has no lossy storage"
         choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root], why_exact=why))
     fixed = {root: b for root, b in storage.items() if root not in planned}
-    return Units(
-        choices, groups, sum(storage.values()), sum(fixed.values()), tuple((spans[r], b) for r, b in fixed.items()), rates, ahead
-    )
+    return Units(choices, groups, sum(storage.values()), sum(fixed.values()), tuple((spans[r], b) for r, b in fixed.items()), rates, ahead)
 
 
 def plan(
@@ -283,7 +280,9 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
 
     def run(units_: list[Choice], exact_first: bool = False, budget: int = target, fit: Callable[[Plan], int] = SOLVER) -> Plan:
         on_hull = [_on_hull(_penalized(c) if exact_first else c) for c in units_]
-        candidate = Plan(pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes, facts.bounds[0])
+        candidate = Plan(
+            pair.label, spec, baseline, units.fixed, budget, on_hull, units.fixed_spans, facts.point_names, backward_bytes, facts.bounds[0]
+        )
         if ratio is not None:
             candidate.preference = f"met by the partitioner's recomputation, {ratio:.3f} of its default bytes"
         fit(candidate)
@@ -338,9 +337,8 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     margin = config.activation_budget_lossy_margin * graph_compute_ms(facts.fw_g, facts.bw_g, units.rates)
     if least_lossy.met and (not fastest.met or least_lossy.estimated_ms <= fastest.estimated_ms + margin):
         return done(least_lossy, pareto)
-    fastest.preference = (
-        f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}"
-        + ("" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms")
+    fastest.preference = f"fastest: the least lossy plan {'misses the budget' if not least_lossy.met else 'is slower by'}" + (
+        "" if not least_lossy.met else f" {least_lossy.estimated_ms - fastest.estimated_ms:.3f} ms > margin {margin:.3f} ms"
     )
     return done(fastest, pareto)
 
@@ -406,7 +404,9 @@ def _sole(choices: list[Choice], groups: dict[fx.Node, list[fx.Node]]) -> list[b
     return [len(groups[act_inputs.storage_root(c.members[0])]) == 1 for c in choices]
 
 
-def fit_plans(candidates: list[SavedTensorRecord], facts: GraphFacts, trial: bool = False) -> list[tuple[HookPair, Plan, list[SavedTensorRecord], dict[fx.Node, fx.Node]]]:
+def fit_plans(
+    candidates: list[SavedTensorRecord], facts: GraphFacts, trial: bool = False
+) -> list[tuple[HookPair, Plan, list[SavedTensorRecord], dict[fx.Node, fx.Node]]]:
     """The fitted plan of every budget pair among the ``candidates`` (the records of saved
     tensors with hooks, aliases marked): ``(pair, plan, the pair's packed records, their
     aliases -> root)``.  Nothing is written or warned (:func:`apply_plans` does); a

@@ -22,7 +22,6 @@ from torch_patches._functorch._aot_autograd.activation_budget.cost_model import 
 from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, Option
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
 
-
 #: The most forward ops one saved tensor's recomputation may copy into the backward.
 RECOMPUTE_MAX_NODES = 8
 
@@ -111,16 +110,10 @@ def recompute_ms(recipe: Recipe, rates: Rates) -> float:
 def recipe_transient_bytes(recipe: Recipe, root: fx.Node) -> int:
     """Bytes the recipe's ops allocate besides the storage they rebuild (an upper bound:
     as if all of them were alive at once, right before the storage's first use)."""
-    return sum(
-        nbytes_of(n)
-        for n in recipe.nodes
-        if not getattr(n.target, "is_view", False) and act_inputs.storage_root(n) is not root
-    )
+    return sum(nbytes_of(n) for n in recipe.nodes if not getattr(n.target, "is_view", False) and act_inputs.storage_root(n) is not root)
 
 
-def with_recipes(
-    choices: list[Choice], sole: list[bool], exact: set[fx.Node], fw_g: fx.Graph, rates: Rates
-) -> list[Choice] | None:
+def with_recipes(choices: list[Choice], sole: list[bool], exact: set[fx.Node], fw_g: fx.Graph, rates: Rates) -> list[Choice] | None:
     """``choices`` with a recompute option for each one that has a recipe (``sole``: the
     choice's tensor is the one reader of its storage, so recomputing it frees the storage),
     or None if none has.  The choices' members are saved tensors (fx nodes)."""

@@ -23,7 +23,6 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-
 KEEP = "keep"
 RECOMPUTE = "recompute"
 
@@ -347,9 +346,7 @@ class _Greedy:
         if nxt.name == RECOMPUTE:
             # What the tensors it reads saved (by compression, or their own recompute) is undone.
             undone = [j for j in c.pins if j not in self.pinned]
-            saved -= sum(
-                self.choices[j].nbytes - self.choices[j].chosen.device_bytes for j in undone if j in self.movable
-            )
+            saved -= sum(self.choices[j].nbytes - self.choices[j].chosen.device_bytes for j in undone if j in self.movable)
             ms -= sum(self.choices[j].chosen.ms for j in undone)
         if saved <= 0:
             return None

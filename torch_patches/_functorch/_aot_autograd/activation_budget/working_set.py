@@ -34,7 +34,6 @@ import torch.fx as fx
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient, nbytes_of
 
-
 __all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak", "unplanned_peak"]
 
 
@@ -67,7 +66,12 @@ def _addmm_add(node: fx.Node) -> bool:
     for mm, other in ((a, b), (b, a)):
         if mm.op == "call_function" and mm.target is torch.ops.aten.mm.default and len(mm.users) == 1:
             out, inp = mm.meta.get("val"), other.meta.get("val")
-            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and inp.dtype == out.dtype and inp.shape in (out.shape, out.shape[-1:]):
+            if (
+                isinstance(out, torch.Tensor)
+                and isinstance(inp, torch.Tensor)
+                and inp.dtype == out.dtype
+                and inp.shape in (out.shape, out.shape[-1:])
+            ):
                 return True
     return False
 
@@ -90,12 +94,21 @@ def _is_view(node: fx.Node) -> bool:
     attention's output, a norm's) is a buffer that op's kernel made."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         made_by = node.args[0]
-        return made_by.op != "call_function" or getattr(made_by.target, "is_view", False) or made_by.target in _FUNCTIONALIZED or _root(node) is not node
+        return (
+            made_by.op != "call_function"
+            or getattr(made_by.target, "is_view", False)
+            or made_by.target in _FUNCTIONALIZED
+            or _root(node) is not node
+        )
     return act_inputs.storage_root(node) is not node
 
 
 _FUNCTIONALIZED = tuple(
-    op for op in (getattr(torch.ops.higher_order, "auto_functionalized", None), getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
+    op
+    for op in (
+        getattr(torch.ops.higher_order, "auto_functionalized", None),
+        getattr(torch.ops.higher_order, "auto_functionalized_v2", None),
+    )
     if op is not None
 )
 
@@ -215,8 +228,12 @@ def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
 
 
 def held_bytes(
-    graph: fx.Graph, excluded: Iterable[fx.Node] = (), inputs: bool = True, dropped: Iterable[fx.Node] = (),
-    order: list[fx.Node] | None = None, donated: Iterable[fx.Node] = (),
+    graph: fx.Graph,
+    excluded: Iterable[fx.Node] = (),
+    inputs: bool = True,
+    dropped: Iterable[fx.Node] = (),
+    order: list[fx.Node] | None = None,
+    donated: Iterable[fx.Node] = (),
 ) -> list[int]:
     """Bytes of ``graph``'s own tensors alive right after each node (see the module);
     ``excluded``: nodes whose storages are not counted (the saved tensors); ``inputs``:
@@ -295,10 +312,7 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
     dropped = set(dropped)
     readers = _kernels_reading(graph)
     remaining = {r: len(k) for r, k in readers.items()}
-    freeable = {
-        r: nbytes_of(r) for r in readers
-        if r not in skip and materialized(r) and (r.op != "placeholder" or r in dropped)
-    }
+    freeable = {r: nbytes_of(r) for r in readers if r not in skip and materialized(r) and (r.op != "placeholder" or r in dropped)}
     reads: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
     for r, ks in readers.items():
         for k in ks:
@@ -309,9 +323,11 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
     live = sum(nbytes_of(n) for n in ready if n.op == "placeholder" and n not in skip and materialized(n))
     most, out = live, []
     while ready:
+
         def costs(n: fx.Node) -> tuple[int, int]:
             freed = sum(freeable.get(r, 0) for r in reads.get(n, ()) if remaining[r] == 1)
             return live + alloc[n], live + alloc[n] - freed
+
         scored = [(costs(n), pos[n], n) for n in ready]
         under = [t for t in scored if t[0][0] <= most]
         (mem1, mem2), _, pick = min(under, key=lambda t: (t[0][1], t[1])) if under else min(scored, key=lambda t: (t[0][0], t[1]))
@@ -334,7 +350,7 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     inputs.  In the forward a planned storage is full until its last forward use and in its
     stored form after; a storage the plan cannot store otherwise is full from where it is
     made.  In the backward each storage is as the plan's timeline has it."""
-    fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
+    fw_nodes = list(fw_g.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
     fw_held = held_bytes(fw_g, saved, inputs=False)
     diff = [0] * (len(fw_nodes) + 1)
@@ -357,9 +373,11 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     # A storage the forward makes and returns once, as a saved tensor, reaches the backward
     # donated; one it also returns as an output (or a view of it), saves twice, or takes as
     # an input (an activation another graph made), does not.
-    returned = collections.Counter(
-        act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node)
-    ) if fw_nodes and fw_nodes[-1].op == "output" else collections.Counter()
+    returned = (
+        collections.Counter(act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node))
+        if fw_nodes and fw_nodes[-1].op == "output"
+        else collections.Counter()
+    )
     # Inductor runs the backward in the graph's order or one it finds to hold less
     # (reorder_for_peak_memory): the lower of the two.
     dropped = dropped_tangents(bw_g)
@@ -369,7 +387,11 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
 
 
 def _backward_peak(
-    plan: Any, bw_g: fx.Graph, bw_saved: list[fx.Node], returned: collections.Counter, dropped: set[fx.Node],
+    plan: Any,
+    bw_g: fx.Graph,
+    bw_saved: list[fx.Node],
+    returned: collections.Counter,
+    dropped: set[fx.Node],
     order: list[fx.Node] | None,
 ) -> tuple[int, str]:
     """The backward's part of :func:`predicted_peak`, its nodes run in ``order`` (default the
