@@ -134,31 +134,14 @@ def maybe_inline_graph_saved_tensors_hooks(
         # the modules take its graphs.
         offer = compile_facts.take_partition_offer()
         choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms())
+        context = (num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices)
         if offer is not None and ambient is not None:
-            trial = functools.partial(
-                inline_phases.trial_plans,
-                num_inner_fwd_outputs=num_inner_fwd_outputs,
-                inner_meta=inner_meta,
-                aot_config=aot_config,
-                static_input_indices=static_input_indices,
-                ambient=ambient,
-            )
+            trial = functools.partial(inline_phases.trial_plans, context=context, ambient=ambient)
             choice = partition_choice.choose_partition(
                 offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial
             )
             held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
-        inline_phases.inline(
-            fw_module,
-            bw_module,
-            num_inner_fwd_outputs,
-            inner_meta,
-            aot_config,
-            static_input_indices,
-            ambient,
-            held,
-            choice.recomputed,
-            choice.terms,
-        )
+        inline_phases.inline(fw_module, bw_module, *context, ambient, held, choice.recomputed, choice.terms)
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
         if (

@@ -442,16 +442,15 @@ def trial_plans(
     bw_module: fx.GraphModule,
     partition: activation_budget.PartitionTerms,
     *,
-    num_inner_fwd_outputs: int,
-    inner_meta: Any,
-    aot_config: Any,
-    static_input_indices: list[int],
+    context: tuple[int, Any, Any, list[int]],
     ambient: HookPair,
 ) -> tuple[list[activation_budget.Plan], list[records.SavedTensorRecord]]:
     """The budget plans the phases would fit to this graph pair for the ``ambient`` pair
     under the partition choice's terms, with the step's peak each predicts, and the saved
     tensors' records; nothing traced, written, published or warned (the partition choice's
-    trial: ``activation_budget.partition_choice``)."""
+    trial: ``activation_budget.partition_choice``).  ``context``: the graph pair's number of
+    forward outputs, ``ViewAndMutationMeta``, AOT config and static input indices."""
+    num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices = context
     held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
     graphs = _GraphPair(fw_module, bw_module, num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices, held, partition)
     compiled = _collect(graphs, ambient, publish=False)
