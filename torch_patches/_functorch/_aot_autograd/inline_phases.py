@@ -166,9 +166,13 @@ def _filter(
         if allowed is not None and saved not in allowed and saved in output_aliases and r.pair.kind.budget is not None:
             r.aliases_output = True
             if not hook_utils.is_hookable_dtype(r.dtype):
-                r.leave("filter", f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})")
+                r.leave(
+                    records.DecidedBy.FILTER, f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
+                )
             else:
-                r.take(r.pair, "hooks", "aliases a forward output: stored otherwise, freed once the caller drops the output")
+                r.take(
+                    r.pair, records.DecidedBy.HOOKS, "aliases a forward output: stored otherwise, freed once the caller drops the output"
+                )
             continue
         if allowed is not None and saved not in allowed:
             root = act_inputs.storage_root(saved)
@@ -181,9 +185,9 @@ def _filter(
         elif r.bw_input is None or not r.bw_input.users:
             why = "unused by the backward"
         else:
-            r.take(r.pair, "hooks")
+            r.take(r.pair, records.DecidedBy.HOOKS)
             continue
-        r.leave("filter", why)
+        r.leave(records.DecidedBy.FILTER, why)
 
 
 def _select(candidates: list[records.SavedTensorRecord]) -> None:
@@ -220,11 +224,11 @@ def _select(candidates: list[records.SavedTensorRecord]) -> None:
             else:
                 consumers = ", ".join(r.info().backward_consumers or ()) or "none"
                 numerics = f"tolerates {r.tolerance}" + (f": {r.tolerance_why}" if r.tolerance_why else "")
-                r.leave("select", f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
+                r.leave(records.DecidedBy.SELECT, f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
                 break
         else:
             if how:
-                r.take(pair, "select", "; ".join(how))
+                r.take(pair, records.DecidedBy.SELECT, "; ".join(how))
 
 
 def _drop_partially_hooked(
@@ -236,7 +240,7 @@ def _drop_partially_hooked(
     reasons = act_inputs.partially_hooked(saved_tensors, packed, inputs)
     for r in candidates:
         if r.node in reasons:
-            r.leave("filter", reasons[r.node])
+            r.leave(records.DecidedBy.FILTER, reasons[r.node])
 
 
 def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
@@ -245,7 +249,7 @@ def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
     aliases = graph_surgery.alias_roots({r.node: r.chosen for r in candidates if r.hooked})
     for r in candidates:
         if r.node in aliases:
-            r.decision, r.decided_by, r.alias_of = records.ALIAS, "alias", aliases[r.node].name
+            r.decision, r.decided_by, r.alias_of = records.ALIAS, records.DecidedBy.ALIAS, aliases[r.node].name
 
 
 def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
@@ -377,7 +381,7 @@ def _checkpointed(
     extra = []
     for node, why in checkpointed.recomputed(graphs.fw_module.graph, graphs.bw_module.graph):
         r = records.collect(node, None, bw_order, None, act_inputs.storage_root(node), None, fw_order, graphs.sources)
-        r.leave("checkpoint", why, records.RECOMPUTED)
+        r.leave(records.DecidedBy.CHECKPOINT, why, records.RECOMPUTED)
         r.node = None  # not a saved tensor of this graph pair: no phase reads it
         extra.append(r)
     return saved + extra
@@ -460,7 +464,7 @@ def trial_plans(
     candidates = [r for r in compiled.records if r.pair is not None]
     facts, _, _ = _prepare(graphs, candidates)
     fitted = activation_budget.fit_plans(candidates, facts, trial=True)
-    saved = [r for r in compiled.records if r.decided_by != "checkpoint"]  # not checkpointed.recomputed's
+    saved = [r for r in compiled.records if r.decided_by != records.DecidedBy.CHECKPOINT]  # not checkpointed.recomputed's
     return [result for pair, result, _, _ in fitted if pair.label == ambient.label], saved
 
 

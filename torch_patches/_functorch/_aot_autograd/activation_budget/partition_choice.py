@@ -47,7 +47,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.recompute import d
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.working_set import unplanned_peak
 from torch_patches._functorch._aot_autograd.compile_facts import PartitionOffer
-from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, SavedTensorRecord
+from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, Bounds, DecidedBy, SavedTensorRecord
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch.partitioners"
@@ -170,7 +170,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     knapsack_terms = dataclasses.replace(default_terms, ratio=ratio)
     theirs, taken_records = trial(fw_k, bw_k, knapsack_terms)
     extra = _extra_ms((graphs.fw, graphs.bw), (fw_k, bw_k))
-    none = _unplanned_score(graphs.fw, graphs.bw, graphs, ours[0].bounded_at == "forward_end")
+    none = _unplanned_score(graphs.fw, graphs.bw, graphs, ours[0].bounded_at == Bounds.FORWARD_END)
     taken, why = _better(ours, theirs, extra, graphs.after, none)
     cap = None
     if taken is None:  # exact, holding less, but slower than the lossy plan and its margin
@@ -185,7 +185,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     why = f"recomputed by the partitioner: its knapsack at {offer.fraction:g} (activation_memory_budget's own) {why}"
     dropped = [r for r in default_records if r.name not in kept and not r.is_input]
     for r in dropped:
-        r.leave("partitioner", why, RECOMPUTED)
+        r.leave(DecidedBy.PARTITIONER, why, RECOMPUTED)
     return PartitionChoice(knapsack_terms, dropped)
 
 
@@ -258,7 +258,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
     :func:`_grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
     more; then its own predicted peak."""
     predicted = plan.predicted[0] if plan.predicted else plan.peak[0]
-    if plan.bounded_at == "forward_end":
+    if plan.bounded_at == Bounds.FORWARD_END:
         return plan.bounded[0], predicted
     return max(predicted, plan.predicted_bytes + after_bytes), predicted
 
@@ -355,8 +355,8 @@ def _fit_under(
         held = _score(mine, after)[0]
         if held <= goal:
             break
-        at_end = mine.bounded_at == "forward_end" or mine.predicted_bytes + after >= held
-        bound = mine.predicted_bytes if at_end and mine.bounded_at != "forward_end" else mine.bounded[0]
+        at_end = mine.bounded_at == Bounds.FORWARD_END or mine.predicted_bytes + after >= held
+        bound = mine.predicted_bytes if at_end and mine.bounded_at != Bounds.FORWARD_END else mine.bounded[0]
         cap = (bound - (held - goal), at_end)
         fitted = refit(cap)
         if len(fitted) != 1 or not fitted[0].met or _score(fitted[0], after)[0] >= held:

@@ -47,7 +47,9 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     ALIAS,
     HOOKED,
     RECOMPUTED,
+    Bounds,
     BudgetPlanSummary,
+    DecidedBy,
     SavedTensorRecord,
     observed as records_observed,
 )
@@ -88,7 +90,7 @@ class GraphFacts:
     partition: PartitionTerms = PartitionTerms()
 
     @functools.cached_property
-    def bounds(self) -> tuple[str, str]:
+    def bounds(self) -> tuple[Bounds, str]:
         """Which points a budget bounds in this graph, ``"every_point"`` or ``"forward_end"``
         (``config.activation_budget_bounds``; ``"auto"``: the forward's end where autograd
         produced an input of the graph), and that and why, in words."""
@@ -102,7 +104,7 @@ class GraphFacts:
         else:
             why = f"config.activation_budget_bounds = {mode!r}"
         where = "every point" if mode == "every_point" else "the forward's end"
-        return mode, f"{where}: {why}"
+        return Bounds(mode), f"{where}: {why}"
 
     @functools.cached_property
     def bw_pos(self) -> dict[fx.Node, int]:
@@ -266,7 +268,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # budget bounds, the bytes it holds while the rest of the step runs; its backward's
     # points may hold up to what it saves without hooks (only a recomputation's ops could
     # hold more).
-    backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
+    backward_bytes = baseline if facts.bounds[0] == Bounds.FORWARD_END else None
     # Fitted under what the partitioner's knapsack at the fraction holds, where that is less
     # and the knapsack recomputes too slowly (partition_choice._fit_under): at or below the
     # step's peak that activation_memory_budget gives.  Bounding the forward's end only, the
@@ -454,16 +456,16 @@ def _write(record: SavedTensorRecord, option: str | None, recipe: Recipe | None,
     """A plan's option into a saved tensor's record."""
     record.option = option
     if option is None:
-        record.leave("budget", "shares its storage with a saved tensor the budget plan cannot hook")
+        record.leave(DecidedBy.BUDGET, "shares its storage with a saved tensor the budget plan cannot hook")
     elif option == KEEP:
-        record.leave("budget", "kept by the budget plan")
+        record.leave(DecidedBy.BUDGET, "kept by the budget plan")
     elif option == RECOMPUTE and recipe is None:  # an alias of a recomputed tensor
-        record.leave("budget", f"aliases {record.alias_of}, which the budget plan recomputes")
+        record.leave(DecidedBy.BUDGET, f"aliases {record.alias_of}, which the budget plan recomputes")
     elif option == RECOMPUTE:
         reads = ", ".join(f.name for f in recipe.frontier)
-        record.leave("budget", f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
+        record.leave(DecidedBy.BUDGET, f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
     elif record.decision == ALIAS:  # shares its root's packed form: the root's option
         record.chosen = HookPair(*option_hooks(option), pair.label)
         record.hooks = record.chosen.names
     else:
-        record.take(HookPair(*option_hooks(option), pair.label), "budget", f"budget option {option}")
+        record.take(HookPair(*option_hooks(option), pair.label), DecidedBy.BUDGET, f"budget option {option}")

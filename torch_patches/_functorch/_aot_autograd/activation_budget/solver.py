@@ -133,8 +133,9 @@ class Plan:
     #: that is one of several graphs of a step: the budget bounds its forward's end); None:
     #: the budget bounds every point.
     backward_bytes: int | None = None
-    #: Which points the budget bounds (``GraphFacts.bounds``): ``"forward_end"`` where the
-    #: graph is one of several of its step, else ``"every_point"``.
+    #: Which points the budget bounds (``GraphFacts.bounds``, a ``saved_tensor_records.Bounds``;
+    #: this module imports no torch): ``"forward_end"`` where the graph is one of several of
+    #: its step, else ``"every_point"``.
     bounded_at: str = "every_point"
     #: Bytes the backward's points hold besides the plan's own storages: the reloads of the
     #: graphs autograd runs next, started ahead while this graph's backward runs (set once

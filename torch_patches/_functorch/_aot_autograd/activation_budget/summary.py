@@ -10,14 +10,14 @@ import warnings
 from torch_patches._errors import SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, PartitionTerms, Plan
-from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage, module_path
+from torch_patches._functorch._aot_autograd.saved_tensor_records import Bounds, BudgetPlanSummary, PlannedStorage, module_path
 
 #: The storage options that offload (their copies run on the copy link).
 OFFLOADS = ("offload", "fp8+offload")
 
 
 def summarize(
-    result: Plan, bounded_at: str = "every_point", bounds_why: str = "", partition: PartitionTerms | None = None
+    result: Plan, bounded_at: Bounds = Bounds.EVERY_POINT, bounds_why: str = "", partition: PartitionTerms | None = None
 ) -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
     budget, naming its floor and what holds it there.  ``bounded_at``, ``bounds_why``:
