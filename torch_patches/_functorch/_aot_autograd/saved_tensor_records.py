@@ -32,7 +32,7 @@ import logging
 import operator
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -197,6 +197,23 @@ class SavedTensorRecord:
     def hooked(self) -> bool:
         return self.decision == HOOKED
 
+    # While compiling, the inliner's phases read the compile-time fields of the records
+    # they decide (a saved tensor's, with hooks in its scope): set until :func:`publish`.
+    @property
+    def fw_node(self) -> fx.Node:
+        """:attr:`node`, while compiling."""
+        return cast(fx.Node, self.node)
+
+    @property
+    def scope_pair(self) -> HookPair:
+        """:attr:`pair` of a saved tensor with hooks in its scope, while compiling."""
+        return cast(HookPair, self.pair)
+
+    @property
+    def chosen_pair(self) -> HookPair:
+        """:attr:`chosen` of a hooked saved tensor, while compiling."""
+        return cast(HookPair, self.chosen)
+
     def leave(self, by: DecidedBy, reason: str, decision: Decision = UNHOOKED) -> None:
         """Decide that it is not packed (``decision``), by phase ``by``, because ``reason``."""
         self.decision, self.decided_by, self.reason, self.chosen = decision, by, reason, None
@@ -218,7 +235,7 @@ class SavedTensorRecord:
             backward_consumers=saved_numerics.reader_ops(self.readers),
             is_input=self.is_input,
             scope=self.scope or "",
-            tolerance=self.tolerance,
+            tolerance=cast(str, self.tolerance),  # walked: a saved tensor with hooks
             why=self.tolerance_why,
             readers=self.readers,
         )
@@ -585,7 +602,7 @@ def collect(
     val = saved.meta["val"]
     shape = tuple(hook_utils.size_hint(s) for s in val.shape)
     # The numerics walk only where hooks may compress (it reads the backward graph).
-    found = saved_numerics.verdict(saved, bw_input, facts) if pair is not None else None
+    found = saved_numerics.verdict(saved, bw_input, cast(saved_numerics.BackwardFacts, facts)) if pair is not None else None
     return SavedTensorRecord(
         name=saved.name,
         producer=producer_of(saved),

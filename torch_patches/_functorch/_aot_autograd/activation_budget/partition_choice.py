@@ -233,7 +233,7 @@ def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
     does not end it: twice the bytes of the outputs that require grad (they and their
     gradients).  A graph returning a scalar that requires grad returns its step's loss: the
     rest of its outputs are the caller's to drop (HF's logits beside the loss), 0."""
-    outs = fw_module.graph.output_node().args[0][getattr(inner_meta, "num_mutated_inp_runtime_indices", 0) :]
+    outs = hook_utils.graph_outputs(fw_module.graph)[getattr(inner_meta, "num_mutated_inp_runtime_indices", 0) :]
     grads = [
         node
         for info, node in zip(getattr(inner_meta, "output_info", ()), outs)
@@ -246,7 +246,7 @@ def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
 
 def _saved_activation_bytes(fw_module: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Bytes of the tensors a partitioned forward saves that are not its inputs."""
-    saved = [n for n in fw_module.graph.output_node().args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+    saved = [n for n in hook_utils.graph_outputs(fw_module.graph)[num_fwd_outputs:] if isinstance(n, fx.Node)]
     return hook_utils.activation_bytes(saved, fw_module.graph.find_nodes(op="placeholder"))
 
 
@@ -266,7 +266,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
 def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, forward_end: bool) -> int:
     """A partition's score (:func:`_score`) without a plan: its bytes at the forward's end
     where the budget bounds that, else the step's peak as the graph sees it."""
-    saved = [n for n in fw.graph.output_node().args[0][graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
+    saved = [n for n in hook_utils.graph_outputs(fw.graph)[graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
     names = {n.name for n in saved}
     bw_saved = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in names]
     peak, at_end, _ = unplanned_peak(fw.graph, bw.graph, saved, bw_saved)

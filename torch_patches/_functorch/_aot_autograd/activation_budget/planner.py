@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any
 
 import torch
@@ -211,7 +211,7 @@ def build_choices(spec: Any, facts: GraphFacts, members: list[fx.Node], plannabl
             for name in common
         ]
         text = facts.records[saved[0]].describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        why = next((facts.records[s].tolerance_why for s in saved if facts.records[s].tolerance_why), "")
+        why = next((w for w in (facts.records[s].tolerance_why for s in saved) if w), "")
         if not any(LOSS.get(o, 3) for o in spec.options):
             why = f"options={'/'.join(spec.options)} has no lossy storage"
         choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root], why_exact=why))
@@ -226,7 +226,7 @@ def plan(
     members: list[fx.Node],
     plannable: list[fx.Node],
     aliases: dict[fx.Node, fx.Node],
-    exact: set[fx.Node] = frozenset(),
+    exact: Set[fx.Node] = frozenset(),
     trial: bool = False,
 ) -> Plan:
     """The plan for one budget pair: its choices (:func:`build_choices`), the plan chosen
@@ -249,7 +249,7 @@ def plan(
     return result
 
 
-def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: set[fx.Node], trial: bool = False) -> Plan:
+def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: Set[fx.Node], trial: bool = False) -> Plan:
     """The plan taken among those fitted to the budget: the least lossy one meeting it,
     unless a lossier one is faster by more than ``config.activation_budget_lossy_margin``;
     the floor where none meets it (:func:`_floor_plan`)."""
@@ -414,17 +414,17 @@ def fit_plans(
     aliases -> root)``.  Nothing is written or warned (:func:`apply_plans` does); a
     ``trial`` (a partition weighed against another, :mod:`.partition_choice`) skips the report's
     pareto."""
-    fitted = []
+    fitted: list[tuple[HookPair, Plan, list[SavedTensorRecord], dict[fx.Node, fx.Node]]] = []
     packed = [r for r in candidates if r.decision in (HOOKED, ALIAS)]
-    for pair in dict.fromkeys(r.pair for r in candidates):
+    for pair in dict.fromkeys(r.scope_pair for r in candidates):
         spec = pair.kind.budget
         if spec is None:
             continue
-        members = [r.node for r in candidates if r.pair is pair]
+        members = [r.fw_node for r in candidates if r.pair is pair]
         mine = [r for r in packed if r.chosen is pair]
-        by_name = {r.name: r.node for r in mine}
-        aliases = {r.node: by_name[r.alias_of] for r in mine if r.decision == ALIAS and r.alias_of in by_name}
-        plannable = [r.node for r in mine if r.node not in aliases]
+        by_name = {r.name: r.fw_node for r in mine}
+        aliases = {r.fw_node: by_name[r.alias_of] for r in mine if r.decision == ALIAS and r.alias_of in by_name}
+        plannable = [r.fw_node for r in mine if r.fw_node not in aliases]
         # What a recomputation may read: inputs the caller keeps, and saved tensors that
         # reach the backward exact (no other hooks; this plan pins its own to keep).
         others = {r.node for r in packed if r.chosen is not pair}
@@ -461,7 +461,7 @@ def _write(record: SavedTensorRecord, option: str | None, recipe: Recipe | None,
         record.leave(DecidedBy.BUDGET, "kept by the budget plan")
     elif option == RECOMPUTE and recipe is None:  # an alias of a recomputed tensor
         record.leave(DecidedBy.BUDGET, f"aliases {record.alias_of}, which the budget plan recomputes")
-    elif option == RECOMPUTE:
+    elif option == RECOMPUTE and recipe is not None:
         reads = ", ".join(f.name for f in recipe.frontier)
         record.leave(DecidedBy.BUDGET, f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
     elif record.decision == ALIAS:  # shares its root's packed form: the root's option

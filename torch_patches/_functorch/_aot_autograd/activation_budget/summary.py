@@ -56,8 +56,8 @@ def summarize(
         estimated_ms=result.estimated_ms,
         units=units,
         partitioner_ratio=cheap,
-        partitioner_met=None if cheap is None else partition.ratio is not None,
-        pareto=getattr(result, "pareto", ()),
+        partitioner_met=None if cheap is None or partition is None else partition.ratio is not None,
+        pareto=result.pareto,
         floor_bytes=None if result.met else floor,
         floor_holders=tuple(text for _, text in holders),
         bounds=bounds_why,
@@ -112,7 +112,8 @@ def _floor_holders(result: Plan, point: int, most: int = 3) -> list[tuple[int, s
     storages in use there at full size, those stored exact (and why), those at their fewest
     bytes (per option), those a smaller form would not help, and what cannot be hooked.  At
     most ``most`` storages are named per kind."""
-    in_use, kept_exact, smallest, other = [], [], {}, []
+    in_use, kept_exact, other = [], [], []
+    smallest: dict[str, list[Choice]] = {}
     for c in result.choices:
         if c.span.first <= point <= c.span.last:
             in_use.append(c)
