@@ -15,6 +15,7 @@ inside it alike, so changing any knob recompiles and misses the cache once.
 """
 
 import sys
+import typing
 
 from torch.utils._config_module import Config, install_config_module
 
@@ -181,5 +182,8 @@ untraceable_hook: str = "warn"
 # False: raise the error itself (to debug it).
 internal_error_fallback: bool = True
 
+
+if typing.TYPE_CHECKING:  # what install_config_module adds (get_hash, patch...); not a knob
+    from torch.utils._config_typing import *  # noqa: F403
 
 install_config_module(sys.modules[__name__])

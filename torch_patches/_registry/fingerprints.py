@@ -96,7 +96,7 @@ def find_definition(module_source: str, qualname: str, tree: ast.Module | None =
         )
         if node is None:
             raise LookupError(f"{qualname} not defined at top level of the module")
-        body = node.body  # type: ignore[attr-defined]
+        body = node.body
     lines = module_source.splitlines(keepends=True)
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[union-attr]
     return "".join(lines[start - 1 : node.end_lineno])  # type: ignore[union-attr]

@@ -109,9 +109,10 @@ def _scan_aliases(values: Iterable[Any]) -> dict[int, list[tuple[ModuleType, str
     # every value of every module, which apply() and unapply() did at each call.
     modules = {id(d): (module, d) for module, d in _iter_module_dicts()}
     for referrer in gc.get_referrers(*values):
-        module, d = modules.get(id(referrer), (None, None))
-        if d is not referrer:
+        entry = modules.get(id(referrer))
+        if entry is None or entry[1] is not referrer:
             continue
+        module, d = entry
         for name, value in list(d.items()):
             if id(value) in wanted:
                 found[id(value)].append((module, name))

@@ -149,7 +149,7 @@ def _rowwise_quantize(
     ``x.shape[:-1] + (n // block_size, block_size)``.
     """
     xf = x.to(torch.float32)
-    if _blocks(x, block_size):
+    if block_size is not None and _blocks(x, block_size):
         xf = xf.unflatten(-1, (x.shape[-1] // block_size, block_size))
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = (amax / qmax).clamp_min(_MIN_SCALE)

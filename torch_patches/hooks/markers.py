@@ -288,5 +288,6 @@ def decode(hooks: Any) -> PairKind:
     selection = None
     parts = _shared(hooks, SELECT_ATTR)
     if parts is not None:
-        selection = Selection(*parts, otherwise=getattr(hooks[0], OTHERWISE_ATTR, None))
+        pack, unpack, where = parts  # select()'s inner pair and predicate
+        selection = Selection(pack, unpack, where, otherwise=getattr(hooks[0], OTHERWISE_ATTR, None))
     return PairKind(pair_is_inlineable(hooks), selection, _shared(hooks, BUDGET_ATTR))

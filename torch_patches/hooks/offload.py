@@ -234,7 +234,8 @@ def copy_log() -> Any:
     with _events_lock:
         if _events is not None:
             raise RuntimeError("copy_log() is already recording")
-        _events = out = []
+        out: list[tuple[str, int, Any]] = []
+        _events = out
     try:
         yield out
     finally:
@@ -345,13 +346,13 @@ def _start_copy(cpu: Tensor, device: torch.device, stride: list[int] | None) -> 
     """Start copying ``cpu`` to ``device``; the copy's ticket (see :func:`reload_start`)."""
     ticket = next(_tickets)
     # An expanded view's strides overlap: copied compact, then laid out (_in_layout).
-    overlapping = stride is not None and _overlaps(cpu.shape, stride)
-    layout = None if overlapping else stride
+    overlap = stride if stride is not None and _overlaps(cpu.shape, stride) else None
+    layout = None if overlap is not None else stride
     if not _is_cuda(device):
         dst = _device_like(cpu, device, layout)
         dst.copy_(cpu)
-        if overlapping:
-            dst = _in_layout(dst, _layout_storage(cpu, device, stride), stride)
+        if overlap is not None:
+            dst = _in_layout(dst, _layout_storage(cpu, device, overlap), overlap)
         _in_flight[ticket] = _InFlight(dst, None, cpu.untyped_storage())
     else:
         # The backward has begun: the forward's copies out are waited for and let go.
@@ -360,11 +361,11 @@ def _start_copy(cpu: Tensor, device: torch.device, stride: list[int] | None) -> 
         # Allocated on the current stream, which frees it after its last use; side waits for
         # the kernels the current stream has queued so far (the block's earlier users).
         dst = _device_like(cpu, device, layout)
-        storage = _layout_storage(cpu, device, stride) if overlapping else None
+        storage = _layout_storage(cpu, device, overlap) if overlap is not None else None
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             dst.copy_(cpu, non_blocking=True)
-            compact, dst = dst, _in_layout(dst, storage, stride) if overlapping else dst
+            compact, dst = dst, _in_layout(dst, storage, overlap) if storage is not None and overlap is not None else dst
             event = torch.cuda.Event()
             event.record(side)
         # (the compact copy too: the side stream reads it until the event)

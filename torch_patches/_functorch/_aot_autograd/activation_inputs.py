@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from torch_patches import config
+from torch_patches._functorch._aot_autograd.utils import graph_outputs
 
 #: Ops that may return their first argument's storage without being declared views.
 _STORAGE_SHARING_OPS = (torch.ops.aten._unsafe_view.default,)
@@ -83,7 +84,7 @@ def activation_inputs(
         for o in getattr(inner_meta, "output_info", ())
         if getattr(getattr(o, "output_type", None), "name", "") in _INPUT_ALIAS_OUTPUTS
     }
-    fw_outs = fw_module.graph.output_node().args[0][:num_inner_fwd_outputs]
+    fw_outs = graph_outputs(fw_module.graph)[:num_inner_fwd_outputs]
     aliased_by_output |= {
         placeholders.index(r) for r in (storage_root(n) for n in fw_outs) if isinstance(r, fx.Node) and r.op == "placeholder"
     }
@@ -151,7 +152,7 @@ def partially_hooked(
         root = storage_root(s)
         if inputs.get(root, "") is None:
             groups.setdefault(root, []).append(s)
-    out = {}
+    out: dict[fx.Node, str] = {}
     for root, members in groups.items():
         kept = [m.name for m in members if m not in hooked]
         if kept and len(kept) < len(members):

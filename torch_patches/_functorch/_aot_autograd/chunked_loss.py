@@ -31,7 +31,8 @@ Compile time: nothing here runs per compiled call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -97,10 +98,11 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def _apply(x: torch.Tensor, name: str, c: float | None) -> torch.Tensor:
-    if name == "softcap":
-        return torch.tanh(x / c) * c
     if name == "upcast":
         return x.float()
+    c = cast(float, c)  # a soft-cap's and a scale's constant
+    if name == "softcap":
+        return torch.tanh(x / c) * c
     return x * c
 
 
@@ -116,10 +118,10 @@ def _grad_back(g: torch.Tensor, y: torch.Tensor | None, dtype: torch.dtype, name
     """The gradient ``g`` of a transform's output ``y`` taken to its input (of ``dtype``); a
     soft-cap's derivative read off its output: ``1 - (y / c)^2``."""
     if name == "softcap":
-        t = y / c
+        t = cast(torch.Tensor, y) / cast(float, c)  # a soft-cap's output is kept
         g = g * (1 - t * t)
     elif name == "scale":
-        g = g * c
+        g = g * cast(float, c)
     return g.to(dtype)
 
 
@@ -182,7 +184,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         logits = None
         if k is not None:
             logits = _stages(torch.nn.functional.linear(h, weight, bias), spec.transforms[:k])[-1]
-        saved, lses, total = [], [], None
+        saved, lses = [], []
+        total: torch.Tensor | None = None
         for start, end in bounds:
             if logits is None:
                 x = torch.nn.functional.linear(h[start:end], weight, bias)
@@ -196,6 +199,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if logits is not None and not spec.recompute:
             saved = [logits]
         count = (target != spec.ignore_index).sum()
+        total = cast(torch.Tensor, total)  # one chunk at least
         loss = total / count if spec.reduction == "mean" else total
         ctx.spec, ctx.bounds, ctx.n_saved, ctx.has_bias = spec, bounds, len(saved), bias is not None
         ctx.dtypes = [t.dtype for t in _stages(torch.empty((), dtype=h.dtype, device="meta"), spec.transforms)]
@@ -208,15 +212,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         h, weight, bias, target, count, *rest = ctx.saved_tensors
         saved, lses = rest[: ctx.n_saved], rest[ctx.n_saved :]
         scale = grad_loss / count if spec.reduction == "mean" else grad_loss
-        grad_h, grad_w, grad_b = [], None, None
+        grad_h = []
+        grad_w: torch.Tensor | None = None
+        grad_b: torch.Tensor | None = None
+        stages: Sequence[torch.Tensor | None]
         for i, ((start, end), lse) in enumerate(zip(bounds, lses)):
             if k is None:
                 stages = _stages(saved[i], spec.transforms)
             elif spec.recompute:
                 stages = _stages(torch.nn.functional.linear(h[start:end], weight, bias), spec.transforms)
             else:
-                stages = [None] * k + _stages(saved[0][start:end], spec.transforms[k:])
-            g = _softmax_grad(stages[-1], lse, target[start:end], spec.ignore_index, scale)
+                kept: list[torch.Tensor | None] = [None] * k  # the stages before the saved logits (not kept)
+                kept.extend(_stages(saved[0][start:end], spec.transforms[k:]))
+                stages = kept
+            g = _softmax_grad(cast(torch.Tensor, stages[-1]), lse, target[start:end], spec.ignore_index, scale)
             for j in reversed(range(len(spec.transforms))):
                 if k == j + 1 and grad_logits is not None:
                     g = g + grad_logits[start:end]
@@ -229,7 +238,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 bpart = (g.float() if g.dtype in (torch.bfloat16, torch.float16) else g).sum(0)
                 grad_b = bpart if grad_b is None else grad_b + bpart
         grad_b = grad_b.to(weight.dtype) if grad_b is not None else None  # summed in float32
-        return torch.cat(grad_h), grad_w.to(weight.dtype), grad_b, None, None
+        return torch.cat(grad_h), cast(torch.Tensor, grad_w).to(weight.dtype), grad_b, None, None
 
 
 def _softmax_grad(z: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, ignore_index: int, scale: torch.Tensor) -> torch.Tensor:

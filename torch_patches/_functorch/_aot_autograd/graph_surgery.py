@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,7 @@ class SavedPlan:
 
 
 def _unique(graphs: tuple[fx.Graph, ...], candidate: str) -> str:
-    names = set()
+    names: set[str] = set()
     for g in graphs:
         names.update(n.name for n in g.nodes)
     if candidate not in names:
@@ -181,7 +181,7 @@ def alias_roots(hookable: dict[fx.Node, HookPair]) -> dict[fx.Node, fx.Node]:
     for saved, pair in hookable.items():
         root = saved
         while root.op == "call_function" and root.target in _PURE_ALIAS_OPS:
-            root = root.args[0]
+            root = cast(fx.Node, root.args[0])  # an alias's tensor
         if root is not saved and hookable.get(root) == pair:
             roots[saved] = root
     return roots
@@ -198,7 +198,7 @@ def merge_aliases(
         return
     fw_g = fw_module.graph
     fw_out = fw_g.output_node()
-    outs = list(fw_out.args[0])
+    outs = list(hook_utils.graph_outputs(fw_g))
     keep = [i < num_inner_fwd_outputs or not (isinstance(n, fx.Node) and n in aliases) for i, n in enumerate(outs)]
     fw_out.args = (tuple(n for n, k in zip(outs, keep) if k),)
     desc = fw_out.meta.get("desc")
@@ -453,7 +453,7 @@ def saved_backward_inputs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, 
     checkpointing's recomputed dropout) as the backward's ``rng_state_output_0``.  Each pair
     is checked (both symbolic, or both tensors of one dtype and rank); a graph pair that
     breaks the convention raises :class:`SavedOutputsMismatch`."""
-    saved = list(fw_module.graph.output_node().args[0])[num_inner_fwd_outputs:]
+    saved = list(hook_utils.graph_outputs(fw_module.graph))[num_inner_fwd_outputs:]
     n_syms = 0
     while n_syms < len(saved) and isinstance(saved[-1 - n_syms], fx.Node) and is_sym_node(saved[-1 - n_syms]):
         n_syms += 1
@@ -500,7 +500,7 @@ def rewire_saved(
     inputs start with (symints, tensors with check, tensors without, opaque objects).
     """
     fw_out = fw_module.graph.output_node()
-    outs = list(fw_out.args[0])
+    outs = list(hook_utils.graph_outputs(fw_module.graph))
     inner, saved = outs[:num_inner_fwd_outputs], outs[num_inner_fwd_outputs:]
     t_vc: list[fx.Node] = []
     t_novc: list[fx.Node] = []

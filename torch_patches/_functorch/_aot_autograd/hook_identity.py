@@ -61,7 +61,8 @@ def _walk(fn: Any, lift: Lift) -> tuple[HookIdentity, _Walker | None]:
             break
         attrs = attrs | walker.names  # a module may hold attributes later code names
     try:
-        _attr_hints[id(fn)] = (weakref.ref(fn, lambda _, i=id(fn): _attr_hints.pop(i, None)), attrs)
+        fn_id = id(fn)
+        _attr_hints[fn_id] = (weakref.ref(fn, lambda _: _attr_hints.pop(fn_id, None)), attrs)
     except TypeError:
         pass
     return HookIdentity(
@@ -143,7 +144,7 @@ def hook_content_check(fn: Any, lift: Lift = False) -> tuple[str, Any]:
     identity alive as long as the check."""
     expected = hook_identity(fn, lift)
     check = _content_check(expected, config_key(), lift)
-    check.pins = expected.pins  # type: ignore[attr-defined]
+    check.pins = expected.pins
     return expected.digest, check
 
 

@@ -153,7 +153,7 @@ def _children(v: Any, names: set[str]) -> list[tuple[Step, Any]]:
     elif isinstance(v, torch.nn.Module):
         if not _own_or_library(type(v).__module__):
             for n in sorted(names):
-                found = v._parameters.get(n, v._buffers.get(n)) if n in v._parameters or n in v._buffers else None
+                found: Any = v._parameters.get(n, v._buffers.get(n)) if n in v._parameters or n in v._buffers else None
                 if found is None and n in vars(v):
                     found = vars(v)[n]
                 elif found is None and n in v._modules:

@@ -155,31 +155,32 @@ def check_keyable(pair: HookPair) -> None:
             raise hook_error(fn, reasons[0], role=role, pair=pair, saved=None)
 
 
-class HookContext(dict):  # type: ignore[type-arg]
+def _recording(name: str) -> Any:
+    """``dict``'s method ``name``, recording that it was called (:class:`HookContext`)."""
+    method = getattr(dict, name)
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.read = True
+        return method(self, *args, **kwargs)
+
+    return recorded
+
+
+class HookContext(dict):
     """Upstream's saved-tensor hook context (``_get_saved_tensor_hook_context()``: the
     graphs and the saved node), recording whether the hook read it: a trace that did
     depends on the saved tensor it was made for and is not reused for another."""
 
     read = False
 
-    def _reading(name: str) -> Any:  # noqa: N805 - builds the recording methods below
-        method = getattr(dict, name)
-
-        def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            self.read = True
-            return method(self, *args, **kwargs)
-
-        return recorded
-
-    __getitem__ = _reading("__getitem__")
-    __contains__ = _reading("__contains__")
-    __iter__ = _reading("__iter__")
-    get = _reading("get")
-    keys = _reading("keys")
-    values = _reading("values")
-    items = _reading("items")
-    copy = _reading("copy")
-    del _reading
+    __getitem__ = _recording("__getitem__")
+    __contains__ = _recording("__contains__")
+    __iter__ = _recording("__iter__")
+    get = _recording("get")
+    keys = _recording("keys")
+    values = _recording("values")
+    items = _recording("items")
+    copy = _recording("copy")
 
 
 def trace_key(pair: HookPair, val: torch.Tensor) -> Any:

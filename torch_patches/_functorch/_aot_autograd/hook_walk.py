@@ -434,7 +434,7 @@ class _Walker:
         if _is_own_module(c.__module__):
             return ("own-class", c.__module__, c.__qualname__, own_source_digest())
         # A user class: everything in its (and its user bases') namespace.
-        mro = []
+        mro: list[tuple[Any, ...]] = []
         self.watches.attr(c, "__mro__", c.__mro__)
         for base in c.__mro__:
             if _is_library_module(base.__module__):
@@ -473,7 +473,7 @@ class _Walker:
     def graph_module(self, gm: torch.fx.GraphModule, depth: int) -> Any:
         # Its code (``gm.code`` is its ``_code``) and its graph live in its ``__dict__``.
         self.watches.dict(gm.__dict__)
-        attrs = []
+        attrs: list[tuple[Any, ...]] = []
         for node in gm.graph.nodes:
             if node.op in ("get_attr", "call_module"):
                 obj: Any = gm

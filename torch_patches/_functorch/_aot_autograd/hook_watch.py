@@ -43,6 +43,7 @@ import torch
 
 from torch_patches._functorch._aot_autograd import hook_audit
 
+_dict_version: Callable[[dict[Any, Any]], int] | None
 try:  # The dict version tag Dynamo's DICT_VERSION guard reads (torch 2.11-2.15).
     from torch._C._dynamo.guards import dict_version as _dict_version
 except ImportError:  # pragma: no cover - a build without Dynamo's C guards
@@ -177,7 +178,7 @@ def tensor_state(t: torch.Tensor, what: str) -> tuple[Any, ...]:
     version counter and where its data lives (``"version"``: keyed by identity; an in-place
     update bumps the version, ``.data =`` or ``set_`` moves the data), or its values
     (``"bytes"``: keyed by value; ``t.data.mul_()`` changes them without a version bump)."""
-    meta = (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout)
+    meta: tuple[Any, ...] = (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout)
     if t.layout == torch.strided:
         meta += (t.stride(), t.storage_offset())
     if what == "meta":
@@ -209,7 +210,8 @@ class Watches:
 
     def holds(self) -> bool:
         """Per compiled call (the guards, through ``hook_identity``): every check, no walk."""
-        if self.dicts and list(map(_dict_version, self.dicts)) != self.versions:  # type: ignore[arg-type]
+        # (dicts are watched by version only where the version tag exists)
+        if self.dicts and _dict_version is not None and list(map(_dict_version, self.dicts)) != self.versions:
             return False
         for check, obj, expected in self.checks:
             if not check(obj, expected):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Sequence, Set
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -97,8 +98,8 @@ def _filtered_by_mode(
     def vals(nodes: Any) -> list[Any]:
         return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
 
-    fw_outs = fw_module.graph.output_node().args[0]
-    bw_outs = bw_module.graph.output_node().args[0]
+    fw_outs = hook_utils.graph_outputs(fw_module.graph)
+    bw_outs = hook_utils.graph_outputs(bw_module.graph)
     idxs = gc.collect_fw_donated_buffer_idxs(
         vals(fw_module.graph.find_nodes(op="placeholder")),
         vals(fw_outs[:num_inner_fwd_outputs]),
@@ -122,8 +123,8 @@ def _output_aliases(
         return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
 
     ins = vals(fw_module.graph.find_nodes(op="placeholder"))
-    outs = vals(fw_module.graph.output_node().args[0][:num_inner_fwd_outputs])
-    bw_outs = vals(bw_module.graph.output_node().args[0])
+    outs = vals(hook_utils.graph_outputs(fw_module.graph)[:num_inner_fwd_outputs])
+    bw_outs = vals(hook_utils.graph_outputs(bw_module.graph))
     saved = vals(saved_tensors)
     without_outputs = set(gc.collect_fw_donated_buffer_idxs(ins, [], bw_outs, saved))
     donated = set(gc.collect_fw_donated_buffer_idxs(ins, outs, bw_outs, saved))
@@ -141,7 +142,7 @@ def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: 
     inputs the caller keeps (parameters, leaves): AOTAutograd returns one gradient per
     forward input, in order; when their numbers differ no position is trusted."""
     placeholders = fw_module.graph.find_nodes(op="placeholder")
-    outs = bw_module.graph.output_node().args[0]
+    outs = hook_utils.graph_outputs(bw_module.graph)
     accumulated = frozenset(i for i, ph in enumerate(placeholders) if ph in held) if len(outs) == len(placeholders) else frozenset()
     return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(bw_module.graph), accumulated)
 
@@ -154,7 +155,7 @@ def _filter(
     candidates: list[records.SavedTensorRecord],
     allowed: set[fx.Node] | None,
     inputs: dict[fx.Node, str | None],
-    output_aliases: set[fx.Node] = frozenset(),
+    output_aliases: Set[fx.Node] = frozenset(),
 ) -> None:
     """Leave unhooked what the hooks may not see: upstream's filtering mode, our dtype
     policy, and tensors the backward does not use.  A budget pair's plan also sees the saved
@@ -163,12 +164,18 @@ def _filter(
     mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
     for r in candidates:
         saved = r.node
-        if allowed is not None and saved not in allowed and saved in output_aliases and r.pair.kind.budget is not None:
+        if allowed is not None and saved not in allowed and saved in output_aliases and r.scope_pair.kind.budget is not None:
             r.aliases_output = True
             if not hook_utils.is_hookable_dtype(r.dtype):
-                r.leave("filter", f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})")
+                r.leave(
+                    records.DecidedBy.FILTER, f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
+                )
             else:
-                r.take(r.pair, "hooks", "aliases a forward output: stored otherwise, freed once the caller drops the output")
+                r.take(
+                    r.scope_pair,
+                    records.DecidedBy.HOOKS,
+                    "aliases a forward output: stored otherwise, freed once the caller drops the output",
+                )
             continue
         if allowed is not None and saved not in allowed:
             root = act_inputs.storage_root(saved)
@@ -181,9 +188,9 @@ def _filter(
         elif r.bw_input is None or not r.bw_input.users:
             why = "unused by the backward"
         else:
-            r.take(r.pair, "hooks")
+            r.take(r.scope_pair, records.DecidedBy.HOOKS)
             continue
-        r.leave("filter", why)
+        r.leave(records.DecidedBy.FILTER, why)
 
 
 def _select(candidates: list[records.SavedTensorRecord]) -> None:
@@ -197,7 +204,7 @@ def _select(candidates: list[records.SavedTensorRecord]) -> None:
     for r in candidates:
         if not r.hooked:
             continue
-        pair, how = r.chosen, []
+        pair, how = r.chosen_pair, []
         while (sel := pair.kind.selection) is not None:
             try:
                 accepted = bool(sel.where(r.info()))
@@ -220,11 +227,11 @@ def _select(candidates: list[records.SavedTensorRecord]) -> None:
             else:
                 consumers = ", ".join(r.info().backward_consumers or ()) or "none"
                 numerics = f"tolerates {r.tolerance}" + (f": {r.tolerance_why}" if r.tolerance_why else "")
-                r.leave("select", f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
+                r.leave(records.DecidedBy.SELECT, f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
                 break
         else:
             if how:
-                r.take(pair, "select", "; ".join(how))
+                r.take(pair, records.DecidedBy.SELECT, "; ".join(how))
 
 
 def _drop_partially_hooked(
@@ -232,33 +239,33 @@ def _drop_partially_hooked(
 ) -> None:
     """``donated`` mode: leave unhooked what shares an activation input's storage with a
     saved tensor left unhooked (packing it would not free the storage)."""
-    packed = [r.node for r in candidates if r.decision in (records.HOOKED, records.ALIAS)]
+    packed = [r.fw_node for r in candidates if r.decision in (records.HOOKED, records.ALIAS)]
     reasons = act_inputs.partially_hooked(saved_tensors, packed, inputs)
     for r in candidates:
         if r.node in reasons:
-            r.leave("filter", reasons[r.node])
+            r.leave(records.DecidedBy.FILTER, reasons[r.node])
 
 
 def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
     """A hooked saved tensor that purely aliases (detach, alias) another hooked with the
     same hooks is not packed again: the backward reads the root's unpacked tensor."""
-    aliases = graph_surgery.alias_roots({r.node: r.chosen for r in candidates if r.hooked})
+    aliases = graph_surgery.alias_roots({r.fw_node: r.chosen_pair for r in candidates if r.hooked})
     for r in candidates:
         if r.node in aliases:
-            r.decision, r.decided_by, r.alias_of = records.ALIAS, "alias", aliases[r.node].name
+            r.decision, r.decided_by, r.alias_of = records.ALIAS, records.DecidedBy.ALIAS, aliases[r.node].name
 
 
 def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
     """The aliases that still share their root's packed form (alias -> root) once every
     phase decided; an alias whose root is no longer hooked is packed on its own."""
     by_name = {r.name: r for r in candidates}
-    out = {}
+    out: dict[fx.Node, fx.Node] = {}
     for r in candidates:
         if r.decision != records.ALIAS:
             continue
-        root = by_name[r.alias_of]
+        root = by_name[cast(str, r.alias_of)]  # an alias names its root
         if root.hooked and root.chosen == r.chosen:
-            out[r.node] = root.node
+            out[r.fw_node] = root.fw_node
         else:
             r.decision, r.alias_of = records.HOOKED, None
     return out
@@ -279,7 +286,7 @@ class _GraphPair:
     partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms()
 
     def __post_init__(self) -> None:
-        fw_outs = list(self.fw_module.graph.output_node().args[0])
+        fw_outs = list(hook_utils.graph_outputs(self.fw_module.graph))
         self.saved_tensors = [
             n for n in fw_outs[self.num_inner_fwd_outputs :] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
         ]
@@ -299,7 +306,7 @@ def inline(
     static_input_indices: list[int],
     ambient: HookPair | None,
     held: set[fx.Node],
-    recomputed_by_partitioner: list[records.SavedTensorRecord] = (),
+    recomputed_by_partitioner: Sequence[records.SavedTensorRecord] = (),
     partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms(),
 ) -> None:
     """Run the phases over the graph pair's saved tensors and rewrite both graphs; publish
@@ -337,7 +344,7 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
     bw_g = graphs.bw_module.graph
     bw_order = {n: i for i, n in enumerate(bw_g.nodes)}
     fw_order = {n: i for i, n in enumerate(graphs.fw_module.graph.nodes)}
-    lengths = {"fw_len": len(fw_order), "bw_len": len(bw_order)}
+    fw_len, bw_len = len(fw_order), len(bw_order)
     bw_inputs, sources = graphs.bw_inputs, graphs.sources
     scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
     if all(pair is None for _, pair in scoped):
@@ -354,7 +361,8 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
                         fw_order,
                     ),
                     stock_pareto=stock_pareto(),
-                    **lengths,
+                    fw_len=fw_len,
+                    bw_len=bw_len,
                 )
             )
         return None
@@ -363,7 +371,9 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
         records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
         for n, pair in scoped
     ]
-    return records.CompiledSavedTensors(_checkpointed(all_records, graphs, bw_order, fw_order), stock_pareto=stock_pareto(), **lengths)
+    return records.CompiledSavedTensors(
+        _checkpointed(all_records, graphs, bw_order, fw_order), stock_pareto=stock_pareto(), fw_len=fw_len, bw_len=bw_len
+    )
 
 
 def _checkpointed(
@@ -373,11 +383,11 @@ def _checkpointed(
     (``checkpointed.role``), and after them a record of each tensor a checkpoint recomputes
     instead (decided ``recomputed`` by ``"checkpoint"``; no phase sees these)."""
     for r in saved:
-        r.checkpoint = checkpointed.role(r.node)
+        r.checkpoint = checkpointed.role(r.fw_node)
     extra = []
     for node, why in checkpointed.recomputed(graphs.fw_module.graph, graphs.bw_module.graph):
         r = records.collect(node, None, bw_order, None, act_inputs.storage_root(node), None, fw_order, graphs.sources)
-        r.leave("checkpoint", why, records.RECOMPUTED)
+        r.leave(records.DecidedBy.CHECKPOINT, why, records.RECOMPUTED)
         r.node = None  # not a saved tensor of this graph pair: no phase reads it
         extra.append(r)
     return saved + extra
@@ -394,9 +404,9 @@ def _prepare(
     inputs = act_inputs.activation_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices, graphs.num_inner_fwd_outputs)
     if allowed is not None:  # "donated": also the activations packing frees (see module)
         allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
-    for pair in dict.fromkeys(r.pair for r in candidates):
+    for pair in dict.fromkeys(r.scope_pair for r in candidates):
         hook_tracing.check_keyable(pair)
-    budgeted = any(r.pair.kind.budget is not None for r in candidates)
+    budgeted = any(r.scope_pair.kind.budget is not None for r in candidates)
     output_aliases = (
         _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs)
         if allowed is not None and budgeted
@@ -412,7 +422,7 @@ def _prepare(
         inputs,
         graphs.held,
         saved_tensors,
-        {r.node: r for r in candidates},
+        {r.fw_node: r for r in candidates},
         tuple(
             records.input_source_name(ph, graphs.sources) or ph.name
             for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
@@ -459,7 +469,7 @@ def trial_plans(
     candidates = [r for r in compiled.records if r.pair is not None]
     facts, _, _ = _prepare(graphs, candidates)
     fitted = activation_budget.fit_plans(candidates, facts, trial=True)
-    saved = [r for r in compiled.records if r.decided_by != "checkpoint"]  # not checkpointed.recomputed's
+    saved = [r for r in compiled.records if r.decided_by != records.DecidedBy.CHECKPOINT]  # not checkpointed.recomputed's
     return [result for pair, result, _, _ in fitted if pair.label == ambient.label], saved
 
 
@@ -469,7 +479,7 @@ def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> l
     bw_g = graphs.bw_module.graph
     # Tensors the hooks read, runtime inputs of the graphs (_dynamo/symbolic_convert.py for
     # the ambient hooks, _dynamo/region_scopes.py for in-region scopes), by pair label.
-    lifted = _hook_inputs(graphs.fw_module, graphs.inner_meta, [r.chosen for r in candidates if r.hooked])
+    lifted = _hook_inputs(graphs.fw_module, graphs.inner_meta, [r.chosen_pair for r in candidates if r.hooked])
     # One trace per hook and saved-tensor metadata: a 12-block model saves the same shapes
     # in every block, and tracing is most of the inliner's compile time.
     traces: dict[Any, tuple[hook_tracing.Traced, hook_tracing.Traced]] = {}
@@ -477,7 +487,8 @@ def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> l
     for r in candidates:
         if not r.hooked:
             continue
-        saved, pair, val = r.node, r.chosen, r.node.meta["val"]
+        saved, pair = r.fw_node, r.chosen_pair
+        val = saved.meta["val"]
         key = hook_tracing.trace_key(pair, val)
         if key in traces:
             pack, unpack = traces[key]
@@ -498,7 +509,7 @@ def _trace(graphs: _GraphPair, candidates: list[records.SavedTensorRecord]) -> l
         plans.append(graph_surgery.SavedPlan(saved, pair, pack, unpack, restride, r, lifted.get(pair.label, ((), ()))[1]))
     # The host tensors the backward reloads (cpu_offload): their graph's backward node starts
     # them ahead, from the graph autograd runs before it (offload_prefetch).
-    reloads = [n.args[0] for p in plans for n in graph_surgery.reload_starts(p.unpack.gm)]
+    reloads = [cast(fx.Node, n.args[0]) for p in plans for n in graph_surgery.reload_starts(p.unpack.gm)]
     offload_prefetch.mark(graphs.inner_meta, len(reloads), sum(map(hook_utils.nbytes_of, reloads)))
     return plans
 
@@ -546,7 +557,7 @@ def _rewrite(
         if r.node in recomputed:
             recipe = recomputed[r.node]
             packed_leaves[r.node] = graph_surgery.insert_recompute(
-                r.node, recipe.nodes, recipe.frontier, r.pair.label, bw_module, bw_inputs, bw_order, extra_inputs
+                r.node, recipe.nodes, recipe.frontier, r.scope_pair.label, bw_module, bw_inputs, bw_order, extra_inputs
             )
     bw_input_of |= extra_inputs
     read_back = []  # hook inputs the backward reads (unpack): saved for it

@@ -34,7 +34,7 @@ import inspect
 import logging
 import math
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -91,7 +91,7 @@ def _value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
+def _static_shape(node: Any) -> tuple[int, ...] | None:
     value = _value(node)
     if not isinstance(value, torch.Tensor):
         return None
@@ -114,10 +114,12 @@ def _scaled(node: fx.Node) -> tuple[fx.Node, float] | None:
     if node.target in (operator.truediv, torch.div):
         c = _constant(b)
         return (a, 1.0 / c) if isinstance(a, fx.Node) and c not in (None, 0.0) else None
-    if isinstance(a, fx.Node) and _constant(b) is not None:
-        return a, _constant(b)
-    if isinstance(b, fx.Node) and _constant(a) is not None:
-        return b, _constant(a)
+    c = _constant(b)
+    if isinstance(a, fx.Node) and c is not None:
+        return a, c
+    c = _constant(a)
+    if isinstance(b, fx.Node) and c is not None:
+        return b, c
     return None
 
 
@@ -129,10 +131,13 @@ def _softcapped(node: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
     tanh, c = outer
     if tanh.op != "call_function" or tanh.target is not torch.tanh or len(tanh.users) != 1:
         return None
-    inner = _scaled(tanh.args[0]) if isinstance(tanh.args[0], fx.Node) else None
-    if inner is None or len(tanh.args[0].users) != 1 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
+    scaled = tanh.args[0]
+    if not isinstance(scaled, fx.Node):
         return None
-    return inner[0], c, [tanh, tanh.args[0]]
+    inner = _scaled(scaled)
+    if inner is None or len(scaled.users) != 1 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
+        return None
+    return inner[0], c, [tanh, scaled]
 
 
 def _upcast(node: fx.Node) -> fx.Node | None:
@@ -140,11 +145,11 @@ def _upcast(node: fx.Node) -> fx.Node | None:
     if node.op != "call_method":
         return None
     if node.target == "float" and len(node.args) == 1 and not node.kwargs:
-        return node.args[0]
+        return cast(fx.Node, node.args[0])  # a method call's self
     if node.target == "to" and not node.kwargs.keys() - {"dtype"}:
         rest = list(node.args[1:]) + list(node.kwargs.values())
         if rest == [torch.float32]:
-            return node.args[0]
+            return cast(fx.Node, node.args[0])
     return None
 
 
@@ -152,9 +157,9 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, tuple[str, float | None] | None,
     """One op of the chain between the head's matmul and the loss, walked backwards:
     ``(its input, its transform or None for a view, nodes it holds besides)``, else why not."""
     if node.op == "call_method" and node.target in _VIEWS:
-        return node.args[0], None, []
+        return cast(fx.Node, node.args[0]), None, []  # the view's self
     if node.op == "call_function" and node.target in (torch.flatten, torch.reshape):
-        return node.args[0], None, []
+        return cast(fx.Node, node.args[0]), None, []
     up = _upcast(node)
     if up is not None:
         return up, ("upcast", None), []
@@ -214,13 +219,14 @@ def _linear_args(linear: fx.Node) -> tuple[Any, Any, Any]:
 
 def _checked(head: LossHead, stages: list[tuple[fx.Node, tuple[str, float | None] | None]]) -> LossHead:
     """Shapes, dtypes and readers of a matched chain; the transforms in the model's order."""
-    linear = head.linear
+    linear = cast(fx.Node, head.linear)  # matched
     h, w, b = _linear_args(linear)
     h_shape, w_shape, t_shape = _static_shape(h), _static_shape(w), _static_shape(head.target)
     target = _value(head.target)
     if h_shape is None or w_shape is None or t_shape is None:
         head.why_not = "dynamic shapes"
-    elif len(w_shape) != 2 or (b is not None and _static_shape(b) != (w_shape[0],)):
+        return head
+    if len(w_shape) != 2 or (b is not None and _static_shape(b) != (w_shape[0],)):
         head.why_not = "the LM head's weight is not a matrix"
     elif target is None or target.dtype not in (torch.int64, torch.int32):
         head.why_not = "the target is not class indices"
@@ -265,7 +271,7 @@ def chunks_for(head: LossHead, memory: float | int) -> int:
     return max(2, min(most, wanted, head.tokens))
 
 
-def _insertion_point(head: LossHead, inputs: list[fx.Node]) -> fx.Node | None:
+def _insertion_point(head: LossHead, inputs: list[Any]) -> fx.Node | None:
     """The node after which the chunked call goes: after its inputs and the returned logits'
     node; None where a reader of the returned logits comes before that."""
     order = {n: i for i, n in enumerate(head.loss.graph.nodes)}
@@ -291,7 +297,7 @@ def recomputes_logits(head: LossHead, memory: float | int) -> bool:
 
 def _rewrite(gm: fx.GraphModule, head: LossHead, chunks: int, recompute: bool) -> str | None:
     """Replace ``head`` in ``gm`` by one chunked call; None, else why not."""
-    h, w, b = _linear_args(head.linear)
+    h, w, b = _linear_args(cast(fx.Node, head.linear))
     after = _insertion_point(head, [h, w, b, head.target])
     if after is None:
         return "the returned logits are read before the loss's target is computed"
@@ -305,7 +311,8 @@ def _rewrite(gm: fx.GraphModule, head: LossHead, chunks: int, recompute: bool) -
     )
     graph = gm.graph
     with graph.inserting_after(after):
-        call = graph.call_function(chunked_linear_cross_entropy, (h, w, b, head.target, spec))
+        args: tuple[Any, ...] = (h, w, b, head.target, spec)  # the spec: a constant argument
+        call = graph.call_function(chunked_linear_cross_entropy, args)
     with graph.inserting_after(call):
         loss = graph.call_function(operator.getitem, (call, 1))
     head.loss.replace_all_uses_with(loss)

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 @dataclasses.dataclass(frozen=True)
 class _Rebuild:
-    cls: type
+    cls: type[Any]  # a traceable wrapper subclass
     ctx: Any
     attrs: tuple[str, ...]
     inner: tuple[_Rebuild | None, ...]  # per attribute: a nested subclass, or None
@@ -44,7 +44,7 @@ class SubclassLayout:
 
 def _flatten_one(t: Any, out: list[Any]) -> _Rebuild:
     attrs, ctx = t.__tensor_flatten__()
-    inner = []
+    inner: list[_Rebuild | None] = []
     for attr in attrs:
         value = getattr(t, attr)
         if is_traceable_wrapper_subclass(value):

@@ -90,12 +90,12 @@ def _per_call(runtime_wrapper: Callable[..., Any], run: Callable[..., Any], link
     if link is not None:
 
         @functools.wraps(runtime_wrapper)
-        def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
+        def _linked_runtime_wrapper(*a: Any, **kw: Any) -> Any:
             out = run(runtime_wrapper, *a, **kw)
             link(out)
             return out
 
-        return _runtime_wrapper
+        return _linked_runtime_wrapper
 
     @functools.wraps(runtime_wrapper)
     def _runtime_wrapper(*a: Any, **kw: Any) -> Any:
@@ -117,7 +117,7 @@ def run_under_hooks_contract(run: Callable[..., Any], *args: Any, **kwargs: Any)
     Every call of a graph compiled without hooks comes here: with no hooks active it is one
     lookup and the call itself."""
     hooks = hook_utils.top_saved_tensors_hooks()
-    if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # not in torch's stub
         return run(*args, **kwargs)
     with torch.autograd.graph.saved_tensors_hooks(*_contract_hooks(*hooks)):
         return run(*args, **kwargs)

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -187,7 +188,7 @@ def _weight_gradient(matmul: fx.Node, facts: BackwardFacts) -> bool:
                 continue
             seen.add(user)
             if user.op == "output":
-                outs = user.args[0]
+                outs = cast("Sequence[Any]", user.args[0])  # the graph's outputs
                 positions = [i for i, o in enumerate(outs) if o is node]
                 if not positions or not set(positions) <= facts.accumulated:
                     return False
@@ -320,10 +321,11 @@ def _negative_square(node: Any) -> bool:
         return _square(node.args[0])
     if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
         a, b = node.args[:2]
-        if _number(b) is not None:
-            return _number(b) < 0 and _square(a)
+        cb, ca = _number(b), _number(a)
+        if cb is not None:
+            return cb < 0 and _square(a)
         is_mul = node.target in (aten.mul.Tensor, aten.mul.Scalar)
-        return is_mul and _number(a) is not None and _number(a) < 0 and _square(b)
+        return is_mul and ca is not None and ca < 0 and _square(b)
     return False
 
 
@@ -339,7 +341,8 @@ def _logistic_results(exp: fx.Node) -> list[fx.Node] | None:
         if add.target not in (aten.add.Tensor, aten.add.Scalar):
             return None
         others = [a for a in add.args[:2] if a is not exp]
-        if len(others) != 1 or _number(others[0]) is None or _number(others[0]) <= 0:
+        offset = _number(others[0]) if len(others) == 1 else None
+        if offset is None or offset <= 0:
             return None
         if not add.users:
             return None

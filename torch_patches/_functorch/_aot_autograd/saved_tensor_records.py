@@ -27,16 +27,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import enum
 import logging
 import operator
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 
 from torch_patches._functorch._aot_autograd import compile_facts, saved_numerics, utils as hook_utils
+from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 from torch_patches.hooks.markers import SavedTensorInfo
 
 __all__ = [
@@ -44,8 +46,11 @@ __all__ = [
     "HOOKED",
     "RECOMPUTED",
     "UNHOOKED",
+    "Bounds",
     "BudgetPlanSummary",
     "CompiledSavedTensors",
+    "DecidedBy",
+    "Decision",
     "PlannedStorage",
     "SavedTensorRecord",
     "collect",
@@ -57,11 +62,56 @@ __all__ = [
     "keep_with",
 ]
 
-# Decisions (``SavedTensorRecord.decision``).
-HOOKED = "hooked"  # packed in the forward, unpacked in the backward
-UNHOOKED = "unhooked"  # saved as it is (``decided_by`` and ``reason`` say why)
-RECOMPUTED = "recomputed"  # not saved: the backward recomputes it (a budget plan)
-ALIAS = "alias"  # a pure alias of another hooked saved tensor: shares its packed form
+
+class _Text(str, enum.Enum):
+    """A ``str`` enum that reads as its value wherever it is written: ``str()``,
+    ``format()`` and f-strings (which Python 3.11 changed for mixed-in enums), ``repr()``
+    (a record's repr, a dict of decisions), JSON; it compares and hashes as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Decision(_Text):
+    """What became of a saved tensor (``SavedTensorRecord.decision``)."""
+
+    HOOKED = "hooked"  # packed in the forward, unpacked in the backward
+    UNHOOKED = "unhooked"  # saved as it is (``decided_by`` and ``reason`` say why)
+    RECOMPUTED = "recomputed"  # not saved: the backward recomputes it (a budget plan)
+    ALIAS = "alias"  # a pure alias of another hooked saved tensor: shares its packed form
+
+
+class DecidedBy(_Text):
+    """The phase that decided (``SavedTensorRecord.decided_by``)."""
+
+    SCOPE = "scope"  # no hooks in its scope
+    FILTER = "filter"  # the inliner's filters (dtype, views, what cannot be packed)
+    SELECT = "select"  # a ``select`` pair's predicate
+    BUDGET = "budget"  # a budget pair's plan
+    ALIAS = "alias"  # shares the packed form of another saved tensor
+    HOOKS = "hooks"  # taken as its scope's hooks
+    PARTITIONER = "partitioner"  # the partitioner's knapsack under a budget recomputes it
+    CHECKPOINT = "checkpoint"  # activation checkpointing recomputes it
+
+
+class Bounds(_Text):
+    """Which points a budget bounds (``BudgetPlanSummary.bounded_at``)."""
+
+    EVERY_POINT = "every_point"  # every point of the backward: the graph is its step
+    FORWARD_END = "forward_end"  # the forward's end: one graph of several of its step
+
+
+# The decisions, as module names (``SavedTensorRecord.decision``).
+HOOKED = Decision.HOOKED
+UNHOOKED = Decision.UNHOOKED
+RECOMPUTED = Decision.RECOMPUTED
+ALIAS = Decision.ALIAS
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,8 +138,9 @@ class SavedTensorRecord:
             rewrite), None when the backward does not use it.
         fw_span: (producer, last use) position in the forward graph (before the rewrite; a
             graph input's producer is its placeholder).
-        decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`.
-        decided_by: the phase that decided: ``"scope"`` (no hooks), ``"filter"``,
+        decision: :data:`HOOKED`, :data:`UNHOOKED`, :data:`RECOMPUTED` or :data:`ALIAS`
+            (a :class:`Decision`: a ``str``, compares and prints as its value).
+        decided_by: the phase that decided (a :class:`DecidedBy`): ``"scope"`` (no hooks), ``"filter"``,
             ``"select"``, ``"budget"``, ``"alias"``, ``"hooks"`` (taken as its scope's),
             ``"partitioner"`` (the default partition saves it, the partitioner's knapsack
             taken under a budget recomputes it: :data:`RECOMPUTED`), or ``"checkpoint"``
@@ -125,8 +176,8 @@ class SavedTensorRecord:
     tolerance_why: str | None
     span: tuple[int, int] | None
     fw_span: tuple[int, int] | None = None
-    decision: str = UNHOOKED
-    decided_by: str = "scope"
+    decision: Decision = UNHOOKED
+    decided_by: DecidedBy = DecidedBy.SCOPE
     reason: str | None = None
     hooks: str | None = None
     option: str | None = None
@@ -139,20 +190,37 @@ class SavedTensorRecord:
     # Compile-time only: the graphs' nodes and the hook pairs (dropped by :func:`publish`).
     node: fx.Node | None = dataclasses.field(default=None, repr=False)
     bw_input: fx.Node | None = dataclasses.field(default=None, repr=False)
-    pair: Any = dataclasses.field(default=None, repr=False)  # the scope's HookPair
-    chosen: Any = dataclasses.field(default=None, repr=False)  # the HookPair it takes
+    pair: HookPair | None = dataclasses.field(default=None, repr=False)  # the scope's pair
+    chosen: HookPair | None = dataclasses.field(default=None, repr=False)  # the pair it takes
 
     @property
     def hooked(self) -> bool:
         return self.decision == HOOKED
 
-    def leave(self, by: str, reason: str, decision: str = UNHOOKED) -> None:
+    # While compiling, the inliner's phases read the compile-time fields of the records
+    # they decide (a saved tensor's, with hooks in its scope): set until :func:`publish`.
+    @property
+    def fw_node(self) -> fx.Node:
+        """:attr:`node`, while compiling."""
+        return cast(fx.Node, self.node)
+
+    @property
+    def scope_pair(self) -> HookPair:
+        """:attr:`pair` of a saved tensor with hooks in its scope, while compiling."""
+        return cast(HookPair, self.pair)
+
+    @property
+    def chosen_pair(self) -> HookPair:
+        """:attr:`chosen` of a hooked saved tensor, while compiling."""
+        return cast(HookPair, self.chosen)
+
+    def leave(self, by: DecidedBy, reason: str, decision: Decision = UNHOOKED) -> None:
         """Decide that it is not packed (``decision``), by phase ``by``, because ``reason``."""
         self.decision, self.decided_by, self.reason, self.chosen = decision, by, reason, None
         self.hooks = None
 
-    def take(self, pair: Any, by: str, reason: str | None = None) -> None:
-        """Decide that it is packed by ``pair`` (a ``HookPair``), by phase ``by``."""
+    def take(self, pair: HookPair, by: DecidedBy, reason: str | None = None) -> None:
+        """Decide that it is packed by ``pair``, by phase ``by``."""
         self.decision, self.decided_by, self.reason, self.chosen = HOOKED, by, reason, pair
         self.hooks = pair.names
 
@@ -167,7 +235,7 @@ class SavedTensorRecord:
             backward_consumers=saved_numerics.reader_ops(self.readers),
             is_input=self.is_input,
             scope=self.scope or "",
-            tolerance=self.tolerance,
+            tolerance=cast(str, self.tolerance),  # walked: a saved tensor with hooks
             why=self.tolerance_why,
             readers=self.readers,
         )
@@ -246,7 +314,7 @@ class BudgetPlanSummary:
     #: its step), or the forward's end (one graph of several: ``config.activation_budget_bounds``).
     bounds: str = ""
     #: The same as data: ``"every_point"`` or ``"forward_end"``.
-    bounded_at: str = "every_point"
+    bounded_at: Bounds = Bounds.EVERY_POINT
     #: The chosen offloads' copies: their time on the copy link (out and back, estimated)
     #: and the part of it no compute hides; the reloads of the graphs autograd runs next
     #: that this graph's backward holds, started ahead (``config.offload_prefetch_graphs``).
@@ -302,7 +370,7 @@ class CompiledSavedTensors:
                 return r
         raise KeyError(name)
 
-    def by_decision(self, decision: str) -> list[SavedTensorRecord]:
+    def by_decision(self, decision: Decision) -> list[SavedTensorRecord]:
         return [r for r in self.records if r.decision == decision]
 
 
@@ -525,7 +593,7 @@ def collect(
     bw_order: dict[fx.Node, int],
     facts: saved_numerics.BackwardFacts | None,
     storage_root: fx.Node,
-    pair: Any,
+    pair: HookPair | None,
     fw_order: dict[fx.Node, int] | None = None,
     input_sources: list[Any] | None = None,
 ) -> SavedTensorRecord:
@@ -534,7 +602,7 @@ def collect(
     val = saved.meta["val"]
     shape = tuple(hook_utils.size_hint(s) for s in val.shape)
     # The numerics walk only where hooks may compress (it reads the backward graph).
-    found = saved_numerics.verdict(saved, bw_input, facts) if pair is not None else None
+    found = saved_numerics.verdict(saved, bw_input, cast(saved_numerics.BackwardFacts, facts)) if pair is not None else None
     return SavedTensorRecord(
         name=saved.name,
         producer=producer_of(saved),
@@ -552,7 +620,7 @@ def collect(
         span=_span(bw_input, bw_order),
         fw_span=_fw_span(saved, fw_order),
         decision=UNHOOKED,
-        decided_by="scope",
+        decided_by=DecidedBy.SCOPE,
         reason=None if pair is not None else "no saved tensors hooks in its scope",
         node=saved,
         bw_input=bw_input,

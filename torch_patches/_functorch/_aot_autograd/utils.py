@@ -11,8 +11,8 @@ key hooks by *content*, so an identical hook recreated every step is the same ho
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -21,7 +21,7 @@ from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches.hooks.markers import budget_pair, budget_spec, pair_is_inlineable
 
 
-def saved_tensors_hooks_are_inlineable(hooks: Any) -> bool:
+def saved_tensors_hooks_are_inlineable(hooks: Any) -> TypeGuard[tuple[Callable[..., Any], Callable[..., Any]]]:
     """Replacement for upstream's predicate: GraphModules or marked functions, both."""
     return pair_is_inlineable(hooks)
 
@@ -80,6 +80,11 @@ def mutated_inputs(graph: torch.fx.Graph) -> set[str]:
 def device_of(nodes: Any) -> torch.device:
     """The device of the first tensor among ``nodes``' values (the CPU if none)."""
     return next((n.meta["val"].device for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+
+
+def graph_outputs(graph: torch.fx.Graph) -> Sequence[Any]:
+    """What an AOTAutograd graph returns: its output node's values (a tuple or list)."""
+    return cast("Sequence[Any]", graph.output_node().args[0])
 
 
 def is_incoming_gradient(node: torch.fx.Node) -> bool:

@@ -11,6 +11,7 @@ more estimated time: why the planner fits exactly where it can.
 from __future__ import annotations
 
 import bisect
+from typing import cast
 
 from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     RECOMPUTE,
@@ -99,8 +100,9 @@ def exact_fit(result: Plan, floor: bool = True) -> int:
     if found is None and not floor:
         raise LookupError("exact_fit: no plan meets the budget")
     if found is None:  # the floor: the lowest peak, then the least time at it
-        (lowest, work) = solve_under(float("inf"), floor=True)
-        best, more = solve_under(lowest[1], floor=False)
+        # Without a budget a plan is always found, and one meets the lowest peak found.
+        (lowest, work) = cast("tuple[tuple, int]", solve_under(float("inf"), floor=True))
+        best, more = cast("tuple[tuple, int]", solve_under(lowest[1], floor=False))
         found = (best, work + more)
     best, work = found
     state = best

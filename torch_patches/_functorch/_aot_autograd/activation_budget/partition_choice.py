@@ -47,7 +47,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.recompute import d
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.working_set import unplanned_peak
 from torch_patches._functorch._aot_autograd.compile_facts import PartitionOffer
-from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, SavedTensorRecord
+from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, Bounds, DecidedBy, SavedTensorRecord
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch.partitioners"
@@ -170,7 +170,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     knapsack_terms = dataclasses.replace(default_terms, ratio=ratio)
     theirs, taken_records = trial(fw_k, bw_k, knapsack_terms)
     extra = _extra_ms((graphs.fw, graphs.bw), (fw_k, bw_k))
-    none = _unplanned_score(graphs.fw, graphs.bw, graphs, ours[0].bounded_at == "forward_end")
+    none = _unplanned_score(graphs.fw, graphs.bw, graphs, ours[0].bounded_at == Bounds.FORWARD_END)
     taken, why = _better(ours, theirs, extra, graphs.after, none)
     cap = None
     if taken is None:  # exact, holding less, but slower than the lossy plan and its margin
@@ -185,7 +185,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     why = f"recomputed by the partitioner: its knapsack at {offer.fraction:g} (activation_memory_budget's own) {why}"
     dropped = [r for r in default_records if r.name not in kept and not r.is_input]
     for r in dropped:
-        r.leave("partitioner", why, RECOMPUTED)
+        r.leave(DecidedBy.PARTITIONER, why, RECOMPUTED)
     return PartitionChoice(knapsack_terms, dropped)
 
 
@@ -233,7 +233,7 @@ def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
     does not end it: twice the bytes of the outputs that require grad (they and their
     gradients).  A graph returning a scalar that requires grad returns its step's loss: the
     rest of its outputs are the caller's to drop (HF's logits beside the loss), 0."""
-    outs = fw_module.graph.output_node().args[0][getattr(inner_meta, "num_mutated_inp_runtime_indices", 0) :]
+    outs = hook_utils.graph_outputs(fw_module.graph)[getattr(inner_meta, "num_mutated_inp_runtime_indices", 0) :]
     grads = [
         node
         for info, node in zip(getattr(inner_meta, "output_info", ()), outs)
@@ -246,7 +246,7 @@ def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
 
 def _saved_activation_bytes(fw_module: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Bytes of the tensors a partitioned forward saves that are not its inputs."""
-    saved = [n for n in fw_module.graph.output_node().args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+    saved = [n for n in hook_utils.graph_outputs(fw_module.graph)[num_fwd_outputs:] if isinstance(n, fx.Node)]
     return hook_utils.activation_bytes(saved, fw_module.graph.find_nodes(op="placeholder"))
 
 
@@ -258,7 +258,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
     :func:`_grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
     more; then its own predicted peak."""
     predicted = plan.predicted[0] if plan.predicted else plan.peak[0]
-    if plan.bounded_at == "forward_end":
+    if plan.bounded_at == Bounds.FORWARD_END:
         return plan.bounded[0], predicted
     return max(predicted, plan.predicted_bytes + after_bytes), predicted
 
@@ -266,7 +266,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
 def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, forward_end: bool) -> int:
     """A partition's score (:func:`_score`) without a plan: its bytes at the forward's end
     where the budget bounds that, else the step's peak as the graph sees it."""
-    saved = [n for n in fw.graph.output_node().args[0][graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
+    saved = [n for n in hook_utils.graph_outputs(fw.graph)[graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
     names = {n.name for n in saved}
     bw_saved = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in names]
     peak, at_end, _ = unplanned_peak(fw.graph, bw.graph, saved, bw_saved)
@@ -355,8 +355,8 @@ def _fit_under(
         held = _score(mine, after)[0]
         if held <= goal:
             break
-        at_end = mine.bounded_at == "forward_end" or mine.predicted_bytes + after >= held
-        bound = mine.predicted_bytes if at_end and mine.bounded_at != "forward_end" else mine.bounded[0]
+        at_end = mine.bounded_at == Bounds.FORWARD_END or mine.predicted_bytes + after >= held
+        bound = mine.predicted_bytes if at_end and mine.bounded_at != Bounds.FORWARD_END else mine.bounded[0]
         cap = (bound - (held - goal), at_end)
         fitted = refit(cap)
         if len(fitted) != 1 or not fitted[0].met or _score(fitted[0], after)[0] >= held:

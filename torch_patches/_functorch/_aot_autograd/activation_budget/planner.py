@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any
 
 import torch
@@ -47,7 +47,9 @@ from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     ALIAS,
     HOOKED,
     RECOMPUTED,
+    Bounds,
     BudgetPlanSummary,
+    DecidedBy,
     SavedTensorRecord,
     observed as records_observed,
 )
@@ -88,7 +90,7 @@ class GraphFacts:
     partition: PartitionTerms = PartitionTerms()
 
     @functools.cached_property
-    def bounds(self) -> tuple[str, str]:
+    def bounds(self) -> tuple[Bounds, str]:
         """Which points a budget bounds in this graph, ``"every_point"`` or ``"forward_end"``
         (``config.activation_budget_bounds``; ``"auto"``: the forward's end where autograd
         produced an input of the graph), and that and why, in words."""
@@ -102,7 +104,7 @@ class GraphFacts:
         else:
             why = f"config.activation_budget_bounds = {mode!r}"
         where = "every point" if mode == "every_point" else "the forward's end"
-        return mode, f"{where}: {why}"
+        return Bounds(mode), f"{where}: {why}"
 
     @functools.cached_property
     def bw_pos(self) -> dict[fx.Node, int]:
@@ -209,7 +211,7 @@ def build_choices(spec: Any, facts: GraphFacts, members: list[fx.Node], plannabl
             for name in common
         ]
         text = facts.records[saved[0]].describe() + (f" and {len(saved) - 1} more sharing its storage" if len(saved) > 1 else "")
-        why = next((facts.records[s].tolerance_why for s in saved if facts.records[s].tolerance_why), "")
+        why = next((w for w in (facts.records[s].tolerance_why for s in saved) if w), "")
         if not any(LOSS.get(o, 3) for o in spec.options):
             why = f"options={'/'.join(spec.options)} has no lossy storage"
         choices.append(Choice(saved, text, storage[root], options, options[0], span=spans[root], why_exact=why))
@@ -224,7 +226,7 @@ def plan(
     members: list[fx.Node],
     plannable: list[fx.Node],
     aliases: dict[fx.Node, fx.Node],
-    exact: set[fx.Node] = frozenset(),
+    exact: Set[fx.Node] = frozenset(),
     trial: bool = False,
 ) -> Plan:
     """The plan for one budget pair: its choices (:func:`build_choices`), the plan chosen
@@ -247,7 +249,7 @@ def plan(
     return result
 
 
-def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: set[fx.Node], trial: bool = False) -> Plan:
+def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: Set[fx.Node], trial: bool = False) -> Plan:
     """The plan taken among those fitted to the budget: the least lossy one meeting it,
     unless a lossier one is faster by more than ``config.activation_budget_lossy_margin``;
     the floor where none meets it (:func:`_floor_plan`)."""
@@ -266,7 +268,7 @@ def choose(pair: HookPair, spec: Any, facts: GraphFacts, units: Units, exact: se
     # budget bounds, the bytes it holds while the rest of the step runs; its backward's
     # points may hold up to what it saves without hooks (only a recomputation's ops could
     # hold more).
-    backward_bytes = baseline if facts.bounds[0] == "forward_end" else None
+    backward_bytes = baseline if facts.bounds[0] == Bounds.FORWARD_END else None
     # Fitted under what the partitioner's knapsack at the fraction holds, where that is less
     # and the knapsack recomputes too slowly (partition_choice._fit_under): at or below the
     # step's peak that activation_memory_budget gives.  Bounding the forward's end only, the
@@ -412,17 +414,17 @@ def fit_plans(
     aliases -> root)``.  Nothing is written or warned (:func:`apply_plans` does); a
     ``trial`` (a partition weighed against another, :mod:`.partition_choice`) skips the report's
     pareto."""
-    fitted = []
+    fitted: list[tuple[HookPair, Plan, list[SavedTensorRecord], dict[fx.Node, fx.Node]]] = []
     packed = [r for r in candidates if r.decision in (HOOKED, ALIAS)]
-    for pair in dict.fromkeys(r.pair for r in candidates):
+    for pair in dict.fromkeys(r.scope_pair for r in candidates):
         spec = pair.kind.budget
         if spec is None:
             continue
-        members = [r.node for r in candidates if r.pair is pair]
+        members = [r.fw_node for r in candidates if r.pair is pair]
         mine = [r for r in packed if r.chosen is pair]
-        by_name = {r.name: r.node for r in mine}
-        aliases = {r.node: by_name[r.alias_of] for r in mine if r.decision == ALIAS and r.alias_of in by_name}
-        plannable = [r.node for r in mine if r.node not in aliases]
+        by_name = {r.name: r.fw_node for r in mine}
+        aliases = {r.fw_node: by_name[r.alias_of] for r in mine if r.decision == ALIAS and r.alias_of in by_name}
+        plannable = [r.fw_node for r in mine if r.fw_node not in aliases]
         # What a recomputation may read: inputs the caller keeps, and saved tensors that
         # reach the backward exact (no other hooks; this plan pins its own to keep).
         others = {r.node for r in packed if r.chosen is not pair}
@@ -454,16 +456,16 @@ def _write(record: SavedTensorRecord, option: str | None, recipe: Recipe | None,
     """A plan's option into a saved tensor's record."""
     record.option = option
     if option is None:
-        record.leave("budget", "shares its storage with a saved tensor the budget plan cannot hook")
+        record.leave(DecidedBy.BUDGET, "shares its storage with a saved tensor the budget plan cannot hook")
     elif option == KEEP:
-        record.leave("budget", "kept by the budget plan")
+        record.leave(DecidedBy.BUDGET, "kept by the budget plan")
     elif option == RECOMPUTE and recipe is None:  # an alias of a recomputed tensor
-        record.leave("budget", f"aliases {record.alias_of}, which the budget plan recomputes")
-    elif option == RECOMPUTE:
+        record.leave(DecidedBy.BUDGET, f"aliases {record.alias_of}, which the budget plan recomputes")
+    elif option == RECOMPUTE and recipe is not None:
         reads = ", ".join(f.name for f in recipe.frontier)
-        record.leave("budget", f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
+        record.leave(DecidedBy.BUDGET, f"recomputed by the budget plan: {len(recipe.nodes)} ops from {reads}", RECOMPUTED)
     elif record.decision == ALIAS:  # shares its root's packed form: the root's option
         record.chosen = HookPair(*option_hooks(option), pair.label)
         record.hooks = record.chosen.names
     else:
-        record.take(HookPair(*option_hooks(option), pair.label), "budget", f"budget option {option}")
+        record.take(HookPair(*option_hooks(option), pair.label), DecidedBy.BUDGET, f"budget option {option}")

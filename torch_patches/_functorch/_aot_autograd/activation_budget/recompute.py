@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Set
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -67,7 +69,7 @@ def draws_random(node: fx.Node) -> bool:
 
 def _no_dropout(node: fx.Node) -> bool:
     """A seeded op that draws nothing: its ``dropout_p`` argument (attention) is 0."""
-    schema = node.target._schema
+    schema = cast(torch._ops.OpOverload, node.target)._schema  # a seeded op
     for i, arg in enumerate(schema.arguments):
         if arg.name == "dropout_p":
             value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
@@ -77,7 +79,7 @@ def _no_dropout(node: fx.Node) -> bool:
 
 def recompute_recipe(
     saved: fx.Node,
-    exact: set[fx.Node],
+    exact: Set[fx.Node],
     order: dict[fx.Node, int],
     limit: int = RECOMPUTE_MAX_NODES,
 ) -> Recipe | None:
@@ -113,7 +115,7 @@ def recipe_transient_bytes(recipe: Recipe, root: fx.Node) -> int:
     return sum(nbytes_of(n) for n in recipe.nodes if not getattr(n.target, "is_view", False) and act_inputs.storage_root(n) is not root)
 
 
-def with_recipes(choices: list[Choice], sole: list[bool], exact: set[fx.Node], fw_g: fx.Graph, rates: Rates) -> list[Choice] | None:
+def with_recipes(choices: list[Choice], sole: list[bool], exact: Set[fx.Node], fw_g: fx.Graph, rates: Rates) -> list[Choice] | None:
     """``choices`` with a recompute option for each one that has a recipe (``sole``: the
     choice's tensor is the one reader of its storage, so recomputing it frees the storage),
     or None if none has.  The choices' members are saved tensors (fx nodes)."""

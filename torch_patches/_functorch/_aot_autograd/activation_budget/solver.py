@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -133,8 +134,9 @@ class Plan:
     #: that is one of several graphs of a step: the budget bounds its forward's end); None:
     #: the budget bounds every point.
     backward_bytes: int | None = None
-    #: Which points the budget bounds (``GraphFacts.bounds``): ``"forward_end"`` where the
-    #: graph is one of several of its step, else ``"every_point"``.
+    #: Which points the budget bounds (``GraphFacts.bounds``, a ``saved_tensor_records.Bounds``;
+    #: this module imports no torch): ``"forward_end"`` where the graph is one of several of
+    #: its step, else ``"every_point"``.
     bounded_at: str = "every_point"
     #: Bytes the backward's points hold besides the plan's own storages: the reloads of the
     #: graphs autograd runs next, started ahead while this graph's backward runs (set once
@@ -143,6 +145,9 @@ class Plan:
     #: The step's peak the plan predicts with what the graphs hold besides the saved
     #: tensors, and where (set by the planner once the plan is taken).
     predicted: tuple[int, str] | None = None
+    #: While a report records: ``(fraction, peak bytes, ms, met)`` of the plan at fractions
+    #: of the saved bytes (set by the planner).
+    pareto: tuple[tuple[float, int, float, bool], ...] = ()
 
     @property
     def predicted_bytes(self) -> int:
@@ -553,7 +558,7 @@ def greedy_fit(result: Plan) -> int:
         excess = timeline.max(k, k + 1) - budget
         if excess <= 0 or not greedy.movable:
             continue
-        greedy.run(int(excess), lambda i, pos, k=k: allow(i, pos, k))
+        greedy.run(int(excess), functools.partial(allow, k=k))
     return greedy.steps + timeline.steps
 
 

@@ -10,14 +10,14 @@ import warnings
 from torch_patches._errors import SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, PartitionTerms, Plan
-from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage, module_path
+from torch_patches._functorch._aot_autograd.saved_tensor_records import Bounds, BudgetPlanSummary, PlannedStorage, module_path
 
 #: The storage options that offload (their copies run on the copy link).
 OFFLOADS = ("offload", "fp8+offload")
 
 
 def summarize(
-    result: Plan, bounded_at: str = "every_point", bounds_why: str = "", partition: PartitionTerms | None = None
+    result: Plan, bounded_at: Bounds = Bounds.EVERY_POINT, bounds_why: str = "", partition: PartitionTerms | None = None
 ) -> BudgetPlanSummary:
     """The plan's summary (each storage's option); warns when the plan does not meet its
     budget, naming its floor and what holds it there.  ``bounded_at``, ``bounds_why``:
@@ -56,8 +56,8 @@ def summarize(
         estimated_ms=result.estimated_ms,
         units=units,
         partitioner_ratio=cheap,
-        partitioner_met=None if cheap is None else partition.ratio is not None,
-        pareto=getattr(result, "pareto", ()),
+        partitioner_met=None if cheap is None or partition is None else partition.ratio is not None,
+        pareto=result.pareto,
         floor_bytes=None if result.met else floor,
         floor_holders=tuple(text for _, text in holders),
         bounds=bounds_why,
@@ -112,7 +112,8 @@ def _floor_holders(result: Plan, point: int, most: int = 3) -> list[tuple[int, s
     storages in use there at full size, those stored exact (and why), those at their fewest
     bytes (per option), those a smaller form would not help, and what cannot be hooked.  At
     most ``most`` storages are named per kind."""
-    in_use, kept_exact, smallest, other = [], [], {}, []
+    in_use, kept_exact, other = [], [], []
+    smallest: dict[str, list[Choice]] = {}
     for c in result.choices:
         if c.span.first <= point <= c.span.last:
             in_use.append(c)

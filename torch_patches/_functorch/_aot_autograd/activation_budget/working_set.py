@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -120,9 +120,9 @@ def _root(node: fx.Node) -> fx.Node:
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         op, index = node.args[0], node.args[1]
         if op.target in _FUNCTIONALIZED and isinstance(index, int) and index >= 1:
-            bases = op.kwargs.get("_all_bases")
+            bases = cast("Sequence[Any] | None", op.kwargs.get("_all_bases"))
             if bases is None:  # v1: the mutated arguments, in the op's schema order
-                schema = op.args[0]._schema
+                schema = cast(torch._ops.OpOverload, op.args[0])._schema
                 bases = [op.kwargs[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             if index - 1 < len(bases) and isinstance(bases[index - 1], fx.Node):
                 return _root(bases[index - 1])
