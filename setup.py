@@ -25,6 +25,9 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-xdist>=3", "expecttest>=0.2", "hypothesis>=6", "numpy", "matplotlib"],
         "upstream": ["ghstack"],
+        # The lint and type gate (CI's, and pre-commit's): versions pinned, so that the
+        # formatter's output does not move under a change.
+        "lint": ["ruff==0.17.6", "mypy==2.4.1"],
         # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs.
         # Their timm ViT needs timm installed apart, `pip install --no-deps timm`: timm
         # requires torchvision, whose PyPI wheels are CUDA builds pinned to one torch release,
