@@ -299,7 +299,7 @@ class TestGuardIsALookup(TestCase):
         counter, blocks = self.blocks()
         with tp_config.patch(numerics_allowlist={}):
             self.steps(blocks, hooks, device, n=2)
-            tp_config.numerics_allowlist["aten.sin.default"] = {"self": "proportional"}
+            tp_config.numerics_allowlist["aten.sin.default"] = {"self": "bf16"}
             self.steps(blocks, hooks, device, n=2)
         self.assertEqual(counter.frame_count, 6)
 

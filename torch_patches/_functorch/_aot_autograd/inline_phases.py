@@ -44,6 +44,7 @@ from torch_patches._functorch._aot_autograd import (
     saved_tensor_records as records,
     utils as hook_utils,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 
 #: The inliner logs as the entry point it serves.
@@ -283,7 +284,7 @@ class _GraphPair:
     static_input_indices: list[int]
     held: set[fx.Node]  # forward inputs the caller keeps alive (``activation_inputs``)
     #: The partition choice's terms for the ambient budget's plan.
-    partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms()
+    partition: PartitionTerms | None = None
 
     def __post_init__(self) -> None:
         fw_outs = list(hook_utils.graph_outputs(self.fw_module.graph))
@@ -307,7 +308,7 @@ def inline(
     ambient: HookPair | None,
     held: set[fx.Node],
     recomputed_by_partitioner: Sequence[records.SavedTensorRecord] = (),
-    partition: activation_budget.PartitionTerms = activation_budget.PartitionTerms(),
+    partition: PartitionTerms | None = None,
 ) -> None:
     """Run the phases over the graph pair's saved tensors and rewrite both graphs; publish
     the records.  ``ambient``: the pair active around the compiled call (None: only in-graph
@@ -427,7 +428,7 @@ def _prepare(
             records.input_source_name(ph, graphs.sources) or ph.name
             for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
         ),
-        graphs.partition,
+        graphs.partition or PartitionTerms(),
     )
     return facts, allowed, inputs
 
@@ -450,11 +451,11 @@ def _decide(
 def trial_plans(
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
-    partition: activation_budget.PartitionTerms,
+    partition: PartitionTerms,
     *,
     context: tuple[int, Any, Any, list[int]],
     ambient: HookPair,
-) -> tuple[list[activation_budget.Plan], list[records.SavedTensorRecord]]:
+) -> tuple[list[Plan], list[records.SavedTensorRecord]]:
     """The budget plans the phases would fit to this graph pair for the ``ambient`` pair
     under the partition choice's terms, with the step's peak each predicts, and the saved
     tensors' records; nothing traced, written, published or warned (the partition choice's
