@@ -94,20 +94,23 @@ class TestChunkedLinearCrossEntropy(TestCase):
         y[torch.rand(t, generator=g) < shape["ignored"]] = spec.ignore_index
         return h, w, b, y.to(device)
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=60, deadline=None, derandomize=True)
     @given(heads())
     def test_equals_unchunked_float64(self, device: str, case: tuple[HeadSpec, dict]) -> None:
         spec, shape = case
         h, w, b, y = self.inputs(shape, torch.float64, device, spec)
         got = loss_and_grads(chunked_linear_cross_entropy, h, w, b, y, spec)
         want = loss_and_grads(reference, h, w, b, y, spec)
-        # An upcast is ``.float()``: from float64 it rounds to float32, in both heads.
-        tol = 1e-5 if any(n == "upcast" for n, _ in spec.transforms) else 1e-10
+        # An upcast is ``.float()``: from float64 it rounds to float32, in both heads, and the
+        # probabilities' rounding (float32's epsilon, about 1e-7) reaches every gradient
+        # scaled by the other operand, however small the gradient itself.
+        upcast = any(n == "upcast" for n, _ in spec.transforms)
+        tol, atol = (1e-5, 1e-6 * (1 + h.abs().max().item() * w.abs().max().item())) if upcast else (1e-10, 0.0)
         for a, e in zip(got, want):
             if e.isnan().any():  # every target ignored: 0 / 0 in both
                 self.assertTrue(a.isnan().all() and e.isnan().all())
                 continue
-            self.assertLessEqual((a - e).abs().max().item(), tol * max(e.abs().max().item(), 1e-6))
+            self.assertLessEqual((a - e).abs().max().item(), tol * max(e.abs().max().item(), 1e-6) + atol)
 
     def test_float32_within_reassociation_and_bfloat16_as_close_as_unchunked(self, device: str) -> None:
         spec = HeadSpec(transforms=(("softcap", 30.0), ("upcast", None)), returns=1, chunks=5)
