@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import torch_patches
+from torch_patches.testing import saved_tensor_records
 
 DIM = 128
 RUNS = ("nohooks", "eager", "compiled", "compiled_noinputs")
@@ -112,10 +113,13 @@ def rank_main(rank, world, path, spec, out):
         model = build(spec["mode"], spec["backend"] if run.startswith("compiled") else None)
         hooks = None if run == "nohooks" else bf16()
         with torch_patches.config.patch(hook_activation_inputs=run != "compiled_noinputs"):
-            step(model, batch(rank), hooks)  # compiles: its allocations are not the step's
+            with saved_tensor_records() as compiled:
+                step(model, batch(rank), hooks)  # compiles: its allocations are not the step's
             model.zero_grad(set_to_none=True)
             alive = step(model, batch(rank), hooks)
         result[run] = {"alive": alive, "graphs": counters["aot_autograd"]["total"]}
+        # What each compiled graph decided for its saved inputs (said where a check fails).
+        result[run]["inputs"] = [f"{r.name}: {r.decision} ({r.decided_by}: {r.reason})" for c in compiled for r in c.records if r.is_input]
         grads = full_grads(model)  # a collective under FSDP2: every rank gathers
         if rank == 0:
             result[run]["grads"] = grads
