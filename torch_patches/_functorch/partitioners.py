@@ -34,7 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_patches import _logging as tp_logging, config
-from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback, utils as hook_utils
+from torch_patches._functorch._aot_autograd import compile_facts, inline_fallback, saved_tensor_records, utils as hook_utils
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, recompute_ms
+from torch_patches._functorch._aot_autograd.activation_budget.planner import PARETO_FRACTIONS
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches.hooks.markers import decode
 
@@ -93,9 +95,6 @@ def _record_stock_pareto(original: Callable[..., Any], joint_graph: Any, node_in
     (what ``activation_memory_budget = F`` gives), its activation bytes and the estimated
     time of recomputing what the default partition saves and it does not (from the saved
     set and the inputs), on the compilation's facts."""
-    from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, recompute_ms
-    from torch_patches._functorch._aot_autograd.activation_budget.planner import PARETO_FRACTIONS
-
     found = compile_facts.facts()
     if found is None:
         return
@@ -133,8 +132,6 @@ def make_choose_saved_values_set(original: Callable[..., Any]) -> Callable[..., 
 def _budget_first(original: Callable[..., Any], joint_graph: Any, node_info: Any, memory_budget: float) -> list[Any]:
     """``choose_saved_values_set`` (``original``) under a budget pair: its cheap exact
     recomputation when that meets the budget (module docstring)."""
-    from torch_patches._functorch._aot_autograd import saved_tensor_records
-
     if memory_budget == 1 and saved_tensor_records.observed():
         _record_stock_pareto(original, joint_graph, node_info)
     fraction = ambient_budget_fraction() if memory_budget == 1 else None
