@@ -125,7 +125,6 @@ def maybe_inline_graph_saved_tensors_hooks(
     if found is not None:
         found.hooks_inlined = None
     ambient = _ambient_pair()
-    held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
     # The modules as handed over, put back if our own code fails on them (inline_fallback).
     snapshot = inline_fallback.snapshot(fw_module, bw_module, inner_meta, ambient, found)
     try:
@@ -140,7 +139,7 @@ def maybe_inline_graph_saved_tensors_hooks(
             choice = partition_choice.choose_partition(
                 offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial
             )
-            held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)
+        held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)  # of the partition taken
         inline_phases.inline(fw_module, bw_module, *context, ambient, held, choice.recomputed, choice.terms)
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
