@@ -53,6 +53,7 @@ from torch_patches.testing import (
     SavedTensorsHookWarning,
     TestCase,
     instantiate_device_type_tests,
+    name_primals_by_role,
     peak_bytes,
     saved_tensor_records,
 )
@@ -369,9 +370,9 @@ class TestCheckpointRecords(CheckpointCase):
             for r in compiled[0].records
         )
         self.assertExpectedInline(
-            lines,
+            name_primals_by_role(lines, rec.fw_graphs[0]),
             """\
-primals_2: unhooked by filter; an input of a checkpointed region: the backward recomputes the region from it
+primals_w: unhooked by filter; an input of a checkpointed region: the backward recomputes the region from it
 mm: recomputed by budget (recompute); an input of a checkpointed region: the backward recomputes the region from it
 t_4: unhooked by filter
 relu: recomputed by checkpoint

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tools.export_upstream import _names, _tests
+from tools.export_upstream._commit_imports import ImportChecker
 from tools.export_upstream._generate import Exporter, split_new_modules
 from tools.export_upstream._git import git, no_repo_env, unified_diff
 from tools.export_upstream._model import API_COMMIT, TP, PatchExport, rel_module
@@ -562,41 +563,47 @@ def import_each_commit(
     tests: bool = True,
 ) -> list[str]:
     """Apply the stack to an overlay of ``torch_root`` one commit at a time and, after each
-    of the commits ``[start, stop)`` (0-based; the ones before are only applied), import in
-    a fresh interpreter every module the commit touched (with torch), then (``tests``) run
-    the upstream test files it carries: a commit that needs a later one to import or to pass its tests is
-    named.  Returns the failures (empty: each commit builds and passes on its own)."""
+    of the commits ``[start, stop)`` (0-based; the ones before are only applied), import
+    every module the commit touched as a fresh interpreter would (after torch and
+    torch._dynamo; :class:`ImportChecker`), then (``tests``) run the upstream test files it
+    carries: a commit that needs a later one to import or to pass its tests is named.
+    Returns the failures (empty: each commit builds and passes on its own)."""
     exported = [r for r in results if r.status == "exported"]
     dest = os.path.join(workdir, "site")
     pristine_overlay(dest, torch_root, exported)
     failures = []
     env = dict(os.environ)
     env["PYTHONPATH"] = dest
-    for i, r in enumerate(exported[: len(exported) if stop is None else stop]):
-        proc = subprocess.run(["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest))
-        if proc.returncode != 0:
-            failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
-            break
-        if i < start:
-            continue
-        modules = [rel_module(rel) for rel in r.files if rel.startswith("torch/")]
-        # torch._dynamo first, as torch.compile imports it (some of torch's own modules do
-        # not import alone, e.g. runtime_wrappers).
-        code = "import torch\nimport torch._dynamo\n" + "".join(f"import {m}\n" for m in modules)
-        proc = subprocess.run([python, "-c", code], cwd=workdir, env=env, text=True, capture_output=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            failures.append(f"{r.filename}: importing {', '.join(modules)}: {last}")
-        if tests and r.upstream_tests:  # its own tests, every later commit still absent
-            proc = subprocess.run(
-                [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *r.upstream_tests],
-                cwd=dest,
-                env=env,
-                text=True,
-                capture_output=True,
-            )
+    with ImportChecker(python, workdir, env) as imports:
+        for i, r in enumerate(exported[: len(exported) if stop is None else stop]):
+            imports.before_commit(r.files, dest)
+            proc = subprocess.run(["git", "apply", "-"], cwd=dest, input=r.diff, text=True, capture_output=True, env=no_repo_env(dest))
             if proc.returncode != 0:
-                failures.append(f"{r.filename}: its tests: {proc.stdout.strip()[-2000:]}")
+                failures.append(f"{r.filename}: git apply: {proc.stderr.strip()}")
+                break
+            if i >= start:
+                failures += _check_commit(r, imports, python, dest, env, tests)
+    return failures
+
+
+def _check_commit(r: PatchExport, imports: ImportChecker, python: str, dest: str, env: dict[str, str], tests: bool) -> list[str]:
+    failures = []
+    modules = [rel_module(rel) for rel in r.files if rel.startswith("torch/")]
+    # After torch._dynamo, as torch.compile imports it (some of torch's own modules do not
+    # import alone, e.g. runtime_wrappers).
+    error = imports.check(modules)
+    if error is not None:
+        failures.append(f"{r.filename}: importing {', '.join(modules)}: {error}")
+    if tests and r.upstream_tests:  # its own tests, every later commit still absent
+        proc = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *r.upstream_tests],
+            cwd=dest,
+            env=env,
+            text=True,
+            capture_output=True,
+        )
+        if proc.returncode != 0:
+            failures.append(f"{r.filename}: its tests: {proc.stdout.strip()[-2000:]}")
     return failures
 
 

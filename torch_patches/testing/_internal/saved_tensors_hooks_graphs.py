@@ -133,10 +133,20 @@ def _split_params(params: str) -> list[str]:
     return re.findall(r'\w+(?:: "[^"]*")?', params)
 
 
-def _apply_roles(text: str, roles: dict[str, Any]) -> str:
-    names: dict[str, str] = roles["names"]
+def _name_primals(text: str, names: dict[str, str]) -> str:
     # Also inside names derived from a primal (``primals_3_packed``).
-    text = re.sub(r"(?<![\w])primals_\d+(?![0-9])", lambda m: f"primals_{names[m.group(0)]}" if m.group(0) in names else m.group(0), text)
+    return re.sub(r"(?<![\w])primals_\d+(?![0-9])", lambda m: f"primals_{names[m.group(0)]}" if m.group(0) in names else m.group(0), text)
+
+
+def name_primals_by_role(text: str, gm: fx.GraphModule) -> str:
+    """``primals_N`` in ``text`` (a record's name, a log line) named as :func:`normalize_graph`
+    names them in ``gm``, a graph a recording backend kept: ``primals_w`` on every release."""
+    roles = gm.meta.get(ROLES_META)
+    return _name_primals(text, roles["names"]) if roles else text
+
+
+def _apply_roles(text: str, roles: dict[str, Any]) -> str:
+    text = _name_primals(text, roles["names"])
     lines = text.splitlines()
     for i, line in enumerate(lines):
         m = re.match(r"(\s*def forward\(self, )(.*)(\):)$", line)
