@@ -36,6 +36,7 @@ from tools.export_upstream.__main__ import (
     main,
     run_upstream_tests,
 )
+from tools.export_upstream._commit_imports import ImportChecker
 from tools.export_upstream._model import API_COMMIT, CONFIG_HOME, CONFIG_MODULE_API, is_test_file
 from tools.export_upstream._names import HOOKS_HOME, PROVENANCE, leftovers, upstream_names
 from tools.export_upstream._tests import HELPERS, UPSTREAM_TESTS, Resolver, UpstreamTestError, upstream_test
@@ -424,6 +425,38 @@ instantiate_device_type_tests(TestOurs, globals())
             self.assertIn(r.diff, text, r.patch.name)
 
 
+class TestImportChecker(unittest.TestCase):
+    @pytest.mark.slow  # an interpreter importing torch, twice
+    def test_imports_as_a_fresh_interpreter_would(self):
+        # A module added after the forking interpreter started imports; one that needs what
+        # is not there names it; a commit changing a module the forking interpreter holds
+        # restarts it, one adding a file or changing a module it does not hold does not.
+        with tempfile.TemporaryDirectory() as root, ImportChecker(sys.executable, root, {**os.environ, "PYTHONPATH": root}) as imports:
+
+            def write(rel, text):
+                os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+                with open(os.path.join(root, rel), "w") as f:
+                    f.write(text)
+
+            write("pkg_under_check/__init__.py", "")
+            self.assertIsNone(imports.check(["torch._functorch.config"]))
+            server = imports.proc
+            self.assertIn("torch._dynamo", imports.loaded)
+            write("pkg_under_check/added.py", "import torch\nVALUE = 1\n")
+            write("pkg_under_check/needs_later.py", "from pkg_under_check.later import X\n")
+            imports.before_commit(["pkg_under_check/added.py", "pkg_under_check/new.py"], root)
+            self.assertIs(imports.proc, server)  # pkg_under_check was never imported by it
+            self.assertIsNone(imports.check(["pkg_under_check.added"]))
+            self.assertEqual(imports.check(["pkg_under_check.needs_later"]), "ModuleNotFoundError: No module named 'pkg_under_check.later'")
+            write("json/decoder.py", "")  # json.decoder: the forking interpreter holds it
+            imports.before_commit(["json/decoder.py"], root)
+            self.assertIsNone(imports.proc)
+            os.remove(os.path.join(root, "json", "decoder.py"))
+            os.rmdir(os.path.join(root, "json"))
+            self.assertIsNone(imports.check(["pkg_under_check.added"]))
+            self.assertIsNot(imports.proc, server)
+
+
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
 class TestUpstreamEquivalence(unittest.TestCase):
     def check_commits(self, part, tests=True):
@@ -431,7 +464,7 @@ class TestUpstreamEquivalence(unittest.TestCase):
         # import, and the upstream test files it carries pass, so no commit needs a later
         # one to build or pass. In three parts (the commits before a part are only applied)
         # so that test workers share the work, about 8 minutes in all: the commits before
-        # the runtime-context commit (an interpreter each), that commit (most of the
+        # the runtime-context commit (mostly module imports), that commit (most of the
         # compiler's tests), the ones after it.
         _, results = exported()
         k = next(i for i, r in enumerate(results) if r.name == "aot.runtime_saved_tensors_hooks_context")

@@ -7,6 +7,7 @@ option is) are the solver's data types, defined in :mod:`.solver` and exported h
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -133,13 +134,19 @@ def _hinted(value: Any) -> Any:
     return value
 
 
+def _hinted_bytes(value: Any) -> int:
+    """The bytes of a tensor ``value`` at its sizes' hints (0 for anything else)."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return math.prod(size_hint(d) for d in value.shape) * value.dtype.itemsize
+
+
 def _node_ms(node: fx.Node, rates: Rates) -> float:
     """The node's compute: ``max(flops / flops rate, bytes moved / memory bandwidth)``."""
     if node.op != "call_function":
         return 0.0
-    vals = [pytree.tree_map(_hinted, a.meta.get("val")) for a in node.all_input_nodes]  # (a tuple: max's)
-    out = pytree.tree_map(_hinted, node.meta.get("val"))
-    moved = sum(v.numel() * v.element_size() for v in pytree.tree_leaves((vals, out)) if isinstance(v, torch.Tensor))
+    vals = [a.meta.get("val") for a in node.all_input_nodes]  # (a tuple: max's)
+    moved = sum(_hinted_bytes(v) for v in pytree.tree_leaves((vals, node.meta.get("val"))))
     return max(_flops(node) / rates.flops_per_ms, moved / rates.memory_bytes_per_ms)
 
 
@@ -149,7 +156,7 @@ def _flops(node: fx.Node) -> float:
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0.0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
