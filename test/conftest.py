@@ -23,3 +23,32 @@ if _WORKERS > 1:
     import torch
 
     torch.set_num_threads(_threads)
+
+
+def _share_the_vec_isa_probe() -> None:
+    """Inductor probes which SIMD instruction sets the C++ compiler can build for by
+    compiling and loading a program per set, once per process and cache directory: about
+    three seconds of every fresh process the tests start with a cache directory of its own
+    (the compile-cache, hook-identity and bench workers: most of the slow tier's processes).
+    Probed once here, in the default cache directory; where every set the CPU reports builds,
+    ``TORCHINDUCTOR_VEC_ISA_OK=1`` tells the subprocesses so (where one does not, they probe
+    as before)."""
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        return
+    try:
+        import torch._inductor.config as inductor_config
+        from torch._inductor import cpu_vec_isa
+
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            claimed = [type(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
+        built = [type(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    except Exception:  # noqa: BLE001 - another release's internals: the subprocesses probe
+        return
+    if claimed and claimed == built:
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test: its workers probe
+    _share_the_vec_isa_probe()
