@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 
-from benchmarks import ROOT, budget_sweep, overhead
+from benchmarks import ROOT, budget_sweep, overhead, trainer_convergence
 from benchmarks.convergence import TrainConfig, plan_row
 from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage
 from torch_patches.testing import TestCase
@@ -229,6 +229,33 @@ class TestBudgetSweep(TestCase):
         json.dumps(row)
         with self.assertRaises(ValueError):
             TrainConfig(vocab=100)
+
+
+class TestTrainerConvergence(TestCase):
+    """``benchmarks.trainer_convergence``'s table from results (its runs: Trainer in fresh
+    processes, as test_checkpointing's Trainer test runs it in process)."""
+
+    def test_changes_against_the_same_seed_without_a_budget(self) -> None:
+        def result(row, seed, loss, peak):
+            return {"row": row, "seed": seed, "eval_loss": loss, "train_loss": loss, "peak_bytes": peak, "steps": 3}
+
+        results = [
+            result("none", 0, 2.0, 100),
+            result("budget:0.3", 0, 2.02, 80),
+            result("none", 1, 4.0, 100),
+            result("budget:0.3", 1, 3.96, 90),
+            {"row": "budget:0.1", "seed": 0, "error": "RuntimeError: boom"},
+        ]
+        rows = {r["row"]: r for r in trainer_convergence.summarize(results)}
+        mean, lo, hi = rows["budget:0.3"]["change_pct"]
+        self.assertAlmostEqual(mean, 0.0)
+        self.assertAlmostEqual(lo, -1.0)
+        self.assertAlmostEqual(hi, 1.0)
+        self.assertAlmostEqual(rows["budget:0.3"]["peak_x"], 0.85)
+        self.assertEqual(rows["budget:0.1"], {"row": "budget:0.1", "error": "RuntimeError: boom"})
+        table = trainer_convergence.format_table(list(rows.values()))
+        self.assertIn("| budget:0.3 | 2 | 2.9900 | +0.00% [-1.00, +1.00] |", table)
+        self.assertIn("error: RuntimeError: boom", table)
 
 
 if __name__ == "__main__":

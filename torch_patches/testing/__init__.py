@@ -4,7 +4,7 @@
 module of the same name (``tools/export_upstream``).  The recording backends and graph
 normalisation (:class:`AotEagerAndRecordGraphs`, :class:`InductorAndRecordGraphs`,
 :func:`normalize_graph`, :func:`name_primals_by_role`, :func:`hook_nodes`) are ``saved_tensors_hooks_graphs``'s; the other
-helpers (:func:`peak_bytes`, :func:`saved_tensor_records`, :func:`hook_warnings`,
+helpers (:func:`peak_bytes`, :func:`cpu_peak_of`, :func:`saved_tensor_records`, :func:`hook_warnings`,
 :data:`TORCH_VERSION`, :func:`instantiate_device_type_tests`) and the Dynamo-resetting test
 base are ``common_saved_tensors_hooks``'s.  :class:`TestCase` (``case.py``) adds the patch
 set: every test runs with torch_patches applied (``apply_patches = False`` for tests of
@@ -29,6 +29,7 @@ try:
     from torch_patches.testing._internal.common_saved_tensors_hooks import (
         HAS_CUDA,
         TORCH_VERSION,
+        cpu_peak_of,
         hook_warnings,
         instantiate_device_type_tests,
         peak_bytes,
@@ -48,6 +49,7 @@ __all__ = [
     "TORCH_VERSION",
     "TestCase",
     "UPSTREAM_FORM_ENV",
+    "cpu_peak_of",
     "hook_nodes",
     "hook_warnings",
     "instantiate_device_type_tests",

@@ -74,11 +74,19 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    return cpu_peak_of(prof)
+
+
+def cpu_peak_of(prof: Any) -> int:
+    """The most CPU memory held at once beyond what was held when ``prof`` (a finished
+    ``torch.profiler.profile(profile_memory=True)``) started: its allocation events summed
+    in time order."""
+    from torch._C._profiler import _EventType
+
     sizes: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
