@@ -52,15 +52,19 @@ def size_hint(s: Any) -> int:
         return 8192
 
 
-def nbytes_of(node: torch.fx.Node) -> int:
-    """Bytes of a graph node's tensor value (symbolic sizes as their hints); 0 for others."""
-    val = node.meta.get("val")
+def hinted_nbytes(val: Any) -> int:
+    """Bytes of a tensor ``val`` (symbolic sizes as their hints); 0 for anything else."""
     if not isinstance(val, torch.Tensor):
         return 0
     numel = 1
     for s in val.shape:
         numel *= size_hint(s)
     return numel * val.element_size()
+
+
+def nbytes_of(node: torch.fx.Node) -> int:
+    """Bytes of a graph node's tensor value (symbolic sizes as their hints); 0 for others."""
+    return hinted_nbytes(node.meta.get("val"))
 
 
 def activation_bytes(values: list[Any], inputs: list[Any]) -> int:

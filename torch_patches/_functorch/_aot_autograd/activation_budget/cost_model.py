@@ -7,7 +7,6 @@ option is) are the solver's data types, defined in :mod:`.solver` and exported h
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from torch_patches import config
 from torch_patches._functorch._aot_autograd.activation_budget.solver import KEEP, LOSS, RECOMPUTE, Option
-from torch_patches._functorch._aot_autograd.utils import nbytes_of, size_hint
+from torch_patches._functorch._aot_autograd.utils import hinted_nbytes, nbytes_of, size_hint
 from torch_patches.hooks import numerics
 from torch_patches.hooks.select import numerics_safe
 
@@ -134,19 +133,12 @@ def _hinted(value: Any) -> Any:
     return value
 
 
-def _hinted_bytes(value: Any) -> int:
-    """The bytes of a tensor ``value`` at its sizes' hints (0 for anything else)."""
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return math.prod(size_hint(d) for d in value.shape) * value.dtype.itemsize
-
-
 def _node_ms(node: fx.Node, rates: Rates) -> float:
     """The node's compute: ``max(flops / flops rate, bytes moved / memory bandwidth)``."""
     if node.op != "call_function":
         return 0.0
     vals = [a.meta.get("val") for a in node.all_input_nodes]  # (a tuple: max's)
-    moved = sum(_hinted_bytes(v) for v in pytree.tree_leaves((vals, node.meta.get("val"))))
+    moved = sum(hinted_nbytes(v) for v in pytree.tree_leaves((vals, node.meta.get("val"))))
     return max(_flops(node) / rates.flops_per_ms, moved / rates.memory_bytes_per_ms)
 
 
@@ -156,7 +148,7 @@ def _flops(node: fx.Node) -> float:
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet) if packet is not None else None
+    formula = flop_registry.get(packet)
     if formula is None:
         return 0.0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
