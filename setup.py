@@ -28,15 +28,16 @@ setup(
         # The lint and type gate (CI's, and pre-commit's): versions pinned, so that the
         # formatter's output does not move under a change.
         "lint": ["ruff==0.17.6", "mypy==2.4.1"],
-        # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs.
+        # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs, a PEFT
+        # LoRA fine-tune.
         # Their timm ViT needs timm installed apart, `pip install --no-deps timm`: timm
         # requires torchvision, whose PyPI wheels are CUDA builds pinned to one torch release,
         # so resolving it here would replace a CPU torch (2.13.0+cpu -> 2.15.0 with CUDA
         # libraries); the test imports timm without torchvision.
-        "models": ["transformers>=4.50"],
+        "models": ["transformers>=4.50", "peft>=0.13"],
         # The research harness (python -m benchmarks.convergence, from a clone) and the report's
         # pictures: the models, and the loss curves as a PNG (the tables print without matplotlib).
-        "bench": ["transformers>=4.50", "matplotlib"],
+        "bench": ["transformers>=4.50", "peft>=0.13", "matplotlib"],
     },
     entry_points={"console_scripts": ["torch-patches=torch_patches.__main__:main"]},
     classifiers=[

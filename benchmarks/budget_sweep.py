@@ -2,9 +2,11 @@
 over a range of fractions, planned beside measured.
 
 ``python -m benchmarks.budget_sweep`` builds the causal language models of
-:mod:`benchmarks.convergence` (Hugging Face Llama and GPT-2 from configs, random init; the text is
-bytes, ``--vocab`` widens the embedding, the head and the logits: a comma list is a sweep
-per vocabulary, the axis where the loss head becomes the step's peak) and runs, each in a
+:mod:`benchmarks.convergence` (Hugging Face Llama, GPT-2 and the other families of
+``torch_patches.testing.models.LANGUAGE_MODELS`` from configs, random init; ``--lora R`` a PEFT
+LoRA fine-tune of rank R; the text is bytes, ``--vocab`` widens the embedding, the head and
+the logits: a comma list is a sweep per vocabulary, the axis where the loss head becomes the
+step's peak) and runs, each in a
 subprocess of its own (its own compile cache): the compiled model without hooks, and per
 fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
 torch_patches not applied).  Each row trains ``--steps`` steps (the first compiles) and
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls the model (labels=, KV cache at its default), the HF model compiled; torchtitan: "
         "the model returns its logits and the loss is compiled apart",
     )
+    parser.add_argument("--lora", type=int, default=0, help="a PEFT LoRA fine-tune of this rank (every linear but the head; 0: none)")
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
     args = parser.parse_args(argv)
 
@@ -288,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
             compile_per=args.compile_per,
             budget_bounds=args.bounds,
             call=args.call,
+            lora=args.lora,
         )
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
             f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}",
+            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}"
+            + (f", LoRA rank {args.lora}" if args.lora else ""),
             flush=True,
         )
         sweep = out["sweeps"][str(vocab)] = {"sizes": sizes, "models": {}}

@@ -121,6 +121,10 @@ class TrainConfig:
     #: HF's ``gradient_checkpointing_enable()`` on the model (its default, non-reentrant), as
     #: HF Trainer's ``gradient_checkpointing=True`` calls it.
     gradient_checkpointing: bool = False
+    #: A PEFT LoRA fine-tune: adapters of this rank on every linear layer but the head (PEFT's
+    #: ``target_modules="all-linear"``, alpha twice the rank), the base model frozen; 0: every
+    #: parameter trained.
+    lora: int = 0
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -133,6 +137,8 @@ class TrainConfig:
             raise ValueError(f"compile_per must be 'model' or 'layer', got {self.compile_per!r}")
         if self.call not in CALLS:
             raise ValueError(f"call must be one of {CALLS}, got {self.call!r}")
+        if self.lora < 0:
+            raise ValueError(f"lora is a rank (0: no adapters), got {self.lora}")
 
 
 # --------------------------------------------------------------------------- data
@@ -201,6 +207,13 @@ def build(cfg: TrainConfig) -> Any:
         raise RuntimeError('benchmarks.convergence needs transformers: pip install -e ".[models]"') from e
     if cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable()
+    if cfg.lora:
+        try:
+            import peft
+        except ImportError as e:
+            raise RuntimeError('a LoRA fine-tune needs peft: pip install -e ".[bench]"') from e
+        config = peft.LoraConfig(r=cfg.lora, lora_alpha=2 * cfg.lora, target_modules="all-linear")
+        lm = peft.get_peft_model(lm, config)
     return causal_lm_loss(lm, cfg.call)
 
 

@@ -5,6 +5,7 @@
   every shape's rows measured in fresh processes, guard times for our rows.
 * ``benchmarks.budget_sweep``: its table and verdicts from rows, the planned step peak beside
   the measured one, the command's argument checks, the budget plans as JSON.
+* ``benchmarks.loss_head_time``: its argument checks; its three rows end to end (``slow``).
 
 The training bench (``benchmarks.convergence``) and the convergence bound: ``test_convergence.py``.
 """
@@ -23,7 +24,7 @@ from unittest import mock
 
 import pytest
 
-from benchmarks import ROOT, budget_sweep, overhead, trainer_convergence
+from benchmarks import ROOT, budget_sweep, loss_head_time, overhead, trainer_convergence
 from benchmarks.convergence import TrainConfig, plan_row
 from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage
 from torch_patches.testing import TestCase
@@ -256,6 +257,33 @@ class TestTrainerConvergence(TestCase):
         table = trainer_convergence.format_table(list(rows.values()))
         self.assertIn("| budget:0.3 | 2 | 2.9900 | +0.00% [-1.00, +1.00] |", table)
         self.assertIn("error: RuntimeError: boom", table)
+
+
+class TestLossHeadTime(TestCase):
+    """``benchmarks.loss_head_time``: its argument checks; end to end at tiny sizes (slow):
+    three rows, interleaved, their medians and the ratio written as JSON."""
+
+    def test_cli_validates_before_running(self) -> None:
+        for bad in (["--fraction", "0"], ["--fraction", "1.5"], ["--steps", "0"]):
+            with self.subTest(bad=bad), self.assertRaises(SystemExit), mock.patch("sys.stderr"):
+                loss_head_time.main(bad)
+
+    @pytest.mark.slow
+    def test_rows_interleaved_end_to_end(self) -> None:
+        pytest.importorskip("transformers")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t.json")
+            argv = ["--vocab", "512", "--dim", "32", "--heads", "2", "--seq", "32", "--steps", "2", "--backend", "aot_eager", "--json", path]
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.loss_head_time", *argv], cwd=ROOT, capture_output=True, text=True, timeout=900
+            )
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            with open(path) as f:
+                out = json.load(f)
+        self.assertEqual(sorted(out["times_s"]), ["budget(0.3), head chunked", "budget(0.3), head whole", "no hooks"])
+        self.assertTrue(all(len(t) == 2 for t in out["times_s"].values()))
+        self.assertGreater(out["chunked_over_whole"], 0)
+        self.assertIn("chunked / whole:", proc.stdout)
 
 
 if __name__ == "__main__":

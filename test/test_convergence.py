@@ -104,6 +104,29 @@ class TestTrainBenchPieces(unittest.TestCase):
         self.assertEqual(counter.frame_count, 1)
         torch._dynamo.reset()
 
+    def test_families_and_a_lora_fine_tune(self) -> None:
+        # Every HF family the loss-head and budget sweeps name builds at the bench's sizes
+        # and trains (a loss, gradients on every parameter); --lora wraps the model in PEFT
+        # adapters on every linear but the head, the base frozen.
+        pytest.importorskip("transformers")
+        with self.assertRaises(ValueError):
+            cv.TrainConfig(lora=-1)
+        torch.manual_seed(0)  # Mixtral's router: each expert gets tokens
+        ids = torch.randint(0, cv.VOCAB, (2, 16))
+        for model in cv.MODELS:
+            with self.subTest(model=model):
+                lm = cv.build(cv.TrainConfig(model=model, layers=1, dim=32, heads=2, seq=16))
+                lm(ids).backward()
+                self.assertEqual([n for n, p in lm.named_parameters() if p.grad is None], [])
+        pytest.importorskip("peft")
+        lm = cv.build(cv.TrainConfig(model="llama", layers=2, dim=32, heads=2, seq=16, lora=4))
+        trained = {n for n, p in lm.named_parameters() if p.requires_grad}
+        self.assertTrue(trained and all("lora_" in n for n in trained), trained)
+        self.assertEqual(len(decoder_layers(lm.lm)), 2)
+        self.assertFalse(any("lm_head" in n for n in trained))
+        lm(ids).backward()
+        self.assertTrue(all(p.grad is not None for n, p in lm.named_parameters() if n in trained))
+
     def test_summary_compares_each_seed_with_its_own_reference(self) -> None:
         def run(evals: dict[str, float], peak: int, ms: float) -> dict:
             return {s: {"train": [3.0, 2.0], "eval": [(0, 5.0), (2, e)], "peak_bytes": peak, "step_ms": ms} for s, e in evals.items()}

@@ -28,6 +28,7 @@ from torch_patches._functorch._aot_autograd import loss_head
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, _stages, chunk_bounds, chunked_linear_cross_entropy
 from torch_patches.hooks import budget
 from torch_patches.testing import AotEagerAndRecordGraphs, TestCase, instantiate_device_type_tests, saved_tensor_records
+from torch_patches.testing.models import HF_FAMILIES
 
 
 def reference(
@@ -206,17 +207,7 @@ class TestPattern(TestCase):
 
 
 #: HF causal-LM families: (config class, model class, extra config) by name.
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "attn_implementation": "eager"}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"attention_dropout": 0.0, "hidden_dropout": 0.0}),
-}
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), **HF_FAMILIES}
 
 
 def _hf(family: str, vocab: int = 512):
@@ -229,7 +220,18 @@ def _hf(family: str, vocab: int = 512):
             transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
         )
     config, model, extra = FAMILIES[family]
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return getattr(transformers, model)(getattr(transformers, config)(**common, **extra))
 
 

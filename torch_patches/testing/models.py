@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -76,14 +77,57 @@ def hf_gpt2(*, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
+#: HF causal-LM families beside Llama and GPT-2, by name: (config class, model class, the
+#: config beyond the sizes :func:`hf_family` sets). Each keeps its own defaults otherwise
+#: (Gemma 2's soft-caps and tied embeddings, Qwen's and Mixtral's routing...).
+HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_implementation": "eager"}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"attention_dropout": 0.0, "hidden_dropout": 0.0}),
+}
+
+
+def hf_family(family: str, *, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
+    """The HF causal LM of ``family`` (:data:`HF_FAMILIES`) from a config: hidden ``dim``,
+    ``layers`` layers, ``heads`` attention (and key-value) heads of ``dim // heads``, the MLP
+    :func:`llama_mlp_dim` wide, positions up to ``seq``. Raises ImportError without
+    transformers."""
+    import transformers
+
+    config, model, extra = HF_FAMILIES[family]
+    sizes = dict(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=llama_mlp_dim(dim),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=dim // heads,
+        max_position_embeddings=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return getattr(transformers, model)(getattr(transformers, config)(**sizes, **extra))
+
+
 #: Causal language models by name: builders taking ``vocab, dim, layers, heads, seq``.
-LANGUAGE_MODELS: dict[str, Callable[..., Any]] = {"llama": hf_llama, "gpt2": hf_gpt2}
+LANGUAGE_MODELS: dict[str, Callable[..., Any]] = {
+    "llama": hf_llama,
+    "gpt2": hf_gpt2,
+    **{family: functools.partial(hf_family, family) for family in HF_FAMILIES},
+}
 
 
 def decoder_layers(lm: Any) -> list[Any]:
-    """The decoder layers of a model of :data:`LANGUAGE_MODELS` (Llama's ``model.layers``,
-    GPT-2's ``transformer.h``)."""
-    inner = getattr(lm, "model", None) or lm.transformer
+    """The decoder layers of a model of :data:`LANGUAGE_MODELS`, or of a PEFT model wrapping
+    one (Llama's ``model.layers``, GPT-2's ``transformer.h``)."""
+    inner = lm.get_decoder()
     return list(getattr(inner, "layers", None) or inner.h)
 
 
