@@ -273,7 +273,7 @@ class TestLossHeadTime(TestCase):
         pytest.importorskip("transformers")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "t.json")
-            argv = ["--vocab", "512", "--dim", "32", "--heads", "2", "--seq", "32", "--steps", "2", "--backend", "aot_eager", "--json", path]
+            argv = "--vocab 512 --dim 32 --heads 2 --seq 32 --steps 2 --backend aot_eager --json".split() + [path]
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.loss_head_time", *argv], cwd=ROOT, capture_output=True, text=True, timeout=900
             )
