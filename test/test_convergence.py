@@ -3,7 +3,8 @@ puts on the lossy hooks.
 
 * Fast: the pieces (real text, disjoint splits, seeded batches, the learning-rate schedule,
   row names, the summary's per-seed changes and ratios).
-* Slow: the command end to end at tiny sizes (table, JSON, PNG), and the convergence test
+* Slow: every HF family and a PEFT LoRA fine-tune built and stepped; the command end to end
+  at tiny sizes (table, JSON, PNG), and the convergence test
   itself: a small Llama trained on real text for 200 steps, two seeds, compiled with and
   without ``fp8_rowwise()``; the mean eval-loss gap must stay within its bound, also for
   e5m2 with the allowlist, and e5m2 without it (``where=None``: RoPE angles, the attention's
@@ -104,6 +105,7 @@ class TestTrainBenchPieces(unittest.TestCase):
         self.assertEqual(counter.frame_count, 1)
         torch._dynamo.reset()
 
+    @pytest.mark.slow  # ten HF models and PEFT imported and built: the harness's, not the product's
     def test_families_and_a_lora_fine_tune(self) -> None:
         # Every HF family the loss-head and budget sweeps name builds at the bench's sizes
         # and trains (a loss, gradients on every parameter); --lora wraps the model in PEFT
