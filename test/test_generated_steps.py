@@ -20,8 +20,8 @@ A handful of examples run in the fast tier (aot_eager); the slow tier runs
 whole suite's time) and a few with Inductor.  Thousands, before changing the compiler code
 (CONTRIBUTING.md):
 ``GENERATED_STEPS_EXAMPLES=2000 python -m pytest test/test_generated_steps.py -m slow -k many``
-(the last: 2,000 passing, 0 failing, 163 rejected as stock cannot compile them; 104 minutes
-on two shared cores, torch 2.13).
+(the last: 2,000 passing, 0 failing, 163 rejected: programs stock torch cannot compile, or
+non-finite; 104 minutes on two shared cores, torch 2.13).
 Every failure a run found is a test below (``TestFound``), with the program that found it.
 """
 
