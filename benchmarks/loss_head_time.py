@@ -101,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(
-                {"torch": torch.__version__, "args": vars(args), "times_s": times, "median_s": median, "chunked_over_whole": ratio},
+                {
+                    "torch": torch.__version__,
+                    "args": {k: v for k, v in vars(args).items() if k != "json"},
+                    "times_s": times,
+                    "median_s": median,
+                    "chunked_over_whole": ratio,
+                },
                 f,
                 indent=1,
             )
