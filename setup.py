@@ -28,8 +28,8 @@ setup(
         # The lint and type gate (CI's, and pre-commit's): versions pinned, so that the
         # formatter's output does not move under a change.
         "lint": ["ruff==0.17.6", "mypy==2.4.1"],
-        # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs, a PEFT
-        # LoRA fine-tune.
+        # Real-model acceptance tests (test/test_models.py): HF Llama, GPT-2, ViT from configs;
+        # peft for the harness's LoRA fine-tune (test/test_convergence.py).
         # Their timm ViT needs timm installed apart, `pip install --no-deps timm`: timm
         # requires torchvision, whose PyPI wheels are CUDA builds pinned to one torch release,
         # so resolving it here would replace a CPU torch (2.13.0+cpu -> 2.15.0 with CUDA

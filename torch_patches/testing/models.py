@@ -79,7 +79,7 @@ def hf_gpt2(*, vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
 
 #: HF causal-LM families beside Llama and GPT-2, by name: (config class, model class, the
 #: config beyond the sizes :func:`hf_family` sets). Each keeps its own defaults otherwise
-#: (Gemma 2's soft-caps and tied embeddings, Qwen's and Mixtral's routing...).
+#: (Gemma 2's soft-caps and tied embeddings, Mixtral's router, GPT-NeoX's parallel block...).
 HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
