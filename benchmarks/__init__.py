@@ -14,6 +14,7 @@ public names. What each command measures and the latest results: ``benchmarks/RE
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 #: The clone's root: the folder holding ``benchmarks/`` and ``torch_patches/``.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,3 +27,18 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def interleaved_times(step: Callable[[str], float], names: Sequence[str], steps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Each row's step times, the rows' steps alternating (ABC, CBA, ...) in one process so
+    that a shared machine's slow phases fall on every row alike: ``step(name)`` runs one step
+    of row ``name`` and returns its seconds; ``warmup`` untimed steps a row first (compiles)."""
+    for name in names:
+        for _ in range(warmup):
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    order = list(names)
+    for i in range(steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            times[name].append(step(name))
+    return times

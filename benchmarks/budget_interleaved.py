@@ -5,8 +5,8 @@ order), so the slow phases of a shared machine fall on both alike; the per-proce
 that dominates ``budget_repeats.py`` (fresh processes) is gone.  Prints the median step of
 each row and the ratios of the medians and of the fastest steps.
 
-    python benchmarks/budget_interleaved.py llama 0.53 30
-    python benchmarks/budget_interleaved.py transformer 0.3 30
+    python -m benchmarks.budget_interleaved llama 0.53 30
+    python -m benchmarks.budget_interleaved transformer 0.3 30
 """
 
 import statistics
@@ -17,6 +17,7 @@ import warnings
 import torch
 
 import torch_patches
+from benchmarks import interleaved_times
 from torch_patches.bench import Case
 from torch_patches.hooks import budget, fp8_rowwise
 from torch_patches.testing.models import build_model, example_input
@@ -46,14 +47,8 @@ def main(model_name: str, fraction: float, steps: int) -> None:
         x.grad = None
         return elapsed
 
-    for name in rows:  # compile and warm up
-        for _ in range(3):
-            step(name)
-    times: dict[str, list[float]] = {name: [] for name in rows}
+    times = interleaved_times(step, list(rows), steps)
     order = list(rows)
-    for i in range(steps):
-        for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(step(name))
     uniform, planned = (times[name] for name in order)
     for name, t in times.items():
         print(f"{name}: median step {1000 * statistics.median(t):.1f} ms, fastest {1000 * min(t):.1f} ms")

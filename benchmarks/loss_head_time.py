@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import torch_patches
+    from benchmarks import interleaved_times
     from torch_patches import config
     from torch_patches.hooks import budget
     from torch_patches.testing.models import causal_lm_loss, hf_llama
@@ -79,14 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         models[name].zero_grad(set_to_none=True)
         return elapsed
 
-    for name in rows:
-        for _ in range(3):
-            step(name)
-    times: dict[str, list[float]] = {name: [] for name in rows}
+    times = interleaved_times(step, list(rows), args.steps)
     order = list(rows)
-    for i in range(args.steps):
-        for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(step(name))
     median = {name: statistics.median(t) for name, t in times.items()}
     chunked, whole = order[1], order[2]
     print(

@@ -5,7 +5,8 @@
   every shape's rows measured in fresh processes, guard times for our rows.
 * ``benchmarks.budget_sweep``: its table and verdicts from rows, the planned step peak beside
   the measured one, the command's argument checks, the budget plans as JSON.
-* ``benchmarks.loss_head_time``: its argument checks; its three rows end to end (``slow``).
+* ``benchmarks.loss_head_time``: rows interleaved after their warm-up, its argument checks;
+  its three rows end to end (``slow``).
 
 The training bench (``benchmarks.convergence``) and the convergence bound: ``test_convergence.py``.
 """
@@ -24,7 +25,7 @@ from unittest import mock
 
 import pytest
 
-from benchmarks import ROOT, budget_sweep, loss_head_time, overhead, trainer_convergence
+from benchmarks import ROOT, budget_sweep, interleaved_times, loss_head_time, overhead, trainer_convergence
 from benchmarks.convergence import TrainConfig, plan_row
 from torch_patches._functorch._aot_autograd.saved_tensor_records import BudgetPlanSummary, PlannedStorage
 from torch_patches.testing import TestCase
@@ -262,6 +263,17 @@ class TestTrainerConvergence(TestCase):
 class TestLossHeadTime(TestCase):
     """``benchmarks.loss_head_time``: its argument checks; end to end at tiny sizes (slow):
     three rows, interleaved, their medians and the ratio written as JSON."""
+
+    def test_rows_alternate_after_their_warm_up(self) -> None:
+        calls = []
+
+        def step(name: str) -> float:
+            calls.append(name)
+            return float(len(calls))
+
+        times = interleaved_times(step, ["a", "b", "c"], steps=2, warmup=1)
+        self.assertEqual(calls, ["a", "b", "c", "a", "b", "c", "c", "b", "a"])
+        self.assertEqual(times, {"a": [4.0, 9.0], "b": [5.0, 8.0], "c": [6.0, 7.0]})
 
     def test_cli_validates_before_running(self) -> None:
         for bad in (["--fraction", "0"], ["--fraction", "1.5"], ["--steps", "0"]):
