@@ -19,18 +19,15 @@ class TestCase(_HooksTestCase):
         if upstream_form_config_map() is not None:
             _use_upstream_form(self)  # torch's own sources hold the patches
         elif self.apply_patches:
-            # Applied once for the class's tests (apply() is idempotent: a no-op while
-            # applied; a test that unapplies gets it back at the next test) and unapplied
-            # after the last: an apply/unapply pair per test scanned every module twice.
+            # Applied at the first such test and left applied for the next (apply() is a
+            # no-op while applied; a test that unapplies gets it back at the next test):
+            # each apply() and unapply() looks for aliases of the patched functions among
+            # every live object, which in a process that has compiled for minutes costs a
+            # good part of a second. Tests of stock behaviour unapply below; tests that do
+            # not use this class run unpatched (``test/conftest.py``).
             torch_patches.apply()
         else:
             torch_patches.unapply()
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        if cls.apply_patches and upstream_form_config_map() is None:
-            torch_patches.unapply()
-        super().tearDownClass()
 
 
 # ----------------------------------------------------------------- upstream form
