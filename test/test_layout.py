@@ -209,6 +209,11 @@ class TestLayout(TestCase):
         """)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        # The status command's table names every patch (the command's own test: test_registry).
+        from torch_patches._registry.patches import PATCHES
+
+        for patch in PATCHES:
+            self.assertIn(patch.name, proc.stdout)
 
     def test_no_binary_archive_is_tracked(self):
         tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)

@@ -440,17 +440,19 @@ class TestCli(TestCase):
     apply_patches = False
 
     def test_status_command(self):
-        out = subprocess.run([sys.executable, "-m", "torch_patches", "status"], capture_output=True, text=True)
-        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        for p in PATCHES:
-            self.assertIn(p.name, out.stdout)
-        # The JSON form's code in this process (the text form above ran as a user runs it).
+        # In this process; the command as a user runs it, in a fresh process with the base
+        # install only, is test_layout's test_base_install_needs_no_extra (and CI's "Try it").
         from torch_patches.__main__ import main
 
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
+        text, js = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(text):
+            self.assertEqual(main(["status"]), 0)
+        with contextlib.redirect_stdout(js):
             self.assertEqual(main(["status", "--json"]), 0)
-        records = json.loads(buf.getvalue())
+        for p in PATCHES:
+            self.assertIn(p.name, text.getvalue())
+        records = json.loads(js.getvalue())
+        self.assertEqual({r["name"] for r in records}, {p.name for p in PATCHES})
         self.assertTrue(all(r["fingerprint_ok"] for r in records))
 
     @pytest.mark.slow
