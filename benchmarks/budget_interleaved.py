@@ -47,8 +47,8 @@ def main(model_name: str, fraction: float, steps: int) -> None:
         x.grad = None
         return elapsed
 
-    times = interleaved_times(step, list(rows), steps)
     order = list(rows)
+    times = interleaved_times(step, order, steps)
     uniform, planned = (times[name] for name in order)
     for name, t in times.items():
         print(f"{name}: median step {1000 * statistics.median(t):.1f} ms, fastest {1000 * min(t):.1f} ms")

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         models[name].zero_grad(set_to_none=True)
         return elapsed
 
-    times = interleaved_times(step, list(rows), args.steps)
     order = list(rows)
+    times = interleaved_times(step, order, args.steps)
     median = {name: statistics.median(t) for name, t in times.items()}
     chunked, whole = order[1], order[2]
     print(
