@@ -33,7 +33,9 @@ the measured one.
 Where the device has a copy engine (CUDA), the rows ``offload`` (``cpu_offload()``) and
 ``fp8+offload`` (``chain(fp8_rowwise(), cpu_offload())``) run too, measured the same way
 and listed under the table: what an exact (or fp8) offload of every saved tensor costs
-beside what the budget plans.
+beside what the budget plans.  With ``--by-hand``, the row ``chunked_by_hand`` too: the loss
+written by hand in 8 chunks of tokens under ``checkpoint``, stock compile, no hooks (what
+torchtune and Liger users write): the peak a chunked head is held to, listed under the table.
 
 Defaults are the sizes of the budget's acceptance check: 4 layers, hidden 512, 8 heads,
 sequences of 512, batch 4, vocabulary 8,192, Inductor.
@@ -156,7 +158,11 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
         if name in OFFLOAD_ROWS
     ]
     off = [line["fraction"] for line in lines if line["planned_off"] is not None and line["planned_off"] > PLANNED_TOLERANCE]
+    by_hand = results.get("chunked_by_hand")
     return {
+        "by_hand": None
+        if by_hand is None
+        else {"peak": _ratio(_step(by_hand)[0], base_peak), "time": _ratio(_step(by_hand)[1], base_ms), "error": by_hand.get("error")},
         "base_peak_bytes": base_peak,
         "base_step_ms": base_ms,
         "lines": lines,
@@ -219,6 +225,12 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
     for line in summary["lines"]:
         for error in line["errors"]:
             out.append(f"F={line['fraction']:g}: error: {error}")
+    by_hand = summary.get("by_hand")
+    if by_hand:
+        out.append(
+            "the loss chunked by hand under checkpoint, stock compile: "
+            + (f"error: {by_hand['error']}" if by_hand["error"] else f"peak x {_x(by_hand['peak'])}, time x {_x(by_hand['time'])}")
+        )
     for row in summary.get("offload", ()):
         out.append(
             f"{row['row']}: " + (f"error: {row['error']}" if row["error"] else f"peak x {_x(row['peak'])}, time x {_x(row['time'])}")
@@ -263,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         "the model returns its logits and the loss is compiled apart",
     )
     parser.add_argument("--lora", type=int, default=0, help="a PEFT LoRA fine-tune of this rank (every linear but the head; 0: none)")
+    parser.add_argument(
+        "--by-hand",
+        action="store_true",
+        help="also the row with the loss chunked by hand under checkpoint, stock compile (chunked_by_hand)",
+    )
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
     args = parser.parse_args(argv)
 
@@ -304,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in [m for m in args.models.split(",") if m]:
             cfg = TrainConfig(model=model, **sizes)
             rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
+            rows += ["chunked_by_hand"] if args.by_hand else []
             if copy_engine(torch.device(args.device)):
                 rows += list(OFFLOAD_ROWS)
             results = {}

@@ -36,6 +36,9 @@ Rows (``--rows``, comma separated):
   budget:F         ``torch_patches.hooks.budget(F)``, compiled
   amb:F            stock ``torch._functorch.config.activation_memory_budget = F``, compiled,
                    torch_patches not applied
+  chunked_by_hand  no hooks, the loss written by hand in 8 chunks of tokens under
+                   ``checkpoint`` (``models.chunked_by_hand_loss``), the whole step compiled,
+                   torch_patches not applied: the reference a chunked head is held to
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from typing import Any
 
 from benchmarks import worker_env
 from benchmarks.convergence_report import format_table, plot, summarize
-from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, compile_per_layer
+from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, chunked_by_hand_loss, compile_per_layer
 
 #: The rows of a default run.
 DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
@@ -231,15 +234,18 @@ class Row:
     where_all: bool = False  # the hook with where=None
     budget: float | None = None  # torch_patches.hooks.budget(F)
     amb: float | None = None  # stock activation_memory_budget
+    by_hand: bool = False  # the loss chunked by hand (models.chunked_by_hand_loss)
 
     @property
     def applies_patches(self) -> bool:
-        return self.compiled and self.amb is None
+        return self.compiled and self.amb is None and not self.by_hand
 
     @staticmethod
     def parse(name: str) -> Row:
         if name in ("eager", "compiled"):
             return Row(name, compiled=name == "compiled")
+        if name == "chunked_by_hand":
+            return Row(name, compiled=True, by_hand=True)
         if name in OFFLOAD_ROWS:
             return Row(name, compiled=True, hook=name)
         if name.startswith(("budget:", "amb:")):
@@ -323,6 +329,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     train, evals = train.to(cfg.device), evals.to(cfg.device)
     torch.manual_seed(0)
     model = build(cfg).to(cfg.device)
+    if row.by_hand:
+        model = chunked_by_hand_loss(model.lm)
     hooks = row.hooks()
     configs = contextlib.ExitStack()
     if allowlist:
@@ -332,7 +340,9 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     if row.budget is not None:
         configs.enter_context(torch_patches.config.patch(activation_budget_bounds=cfg.budget_bounds))
     fn = model
-    if row.compiled and cfg.compile_per == "layer":
+    if row.by_hand:
+        fn = torch.compile(model, backend=cfg.backend)
+    elif row.compiled and cfg.compile_per == "layer":
         compile_per_layer(model.lm, backend=cfg.backend, loss=True)
     elif row.compiled and cfg.call == "hf_default":
         model.lm.compile(backend=cfg.backend)  # the HF model's graph returns logits and cache

@@ -196,6 +196,16 @@ class TestBudgetSweep(TestCase):
         self.assertIn("offload: peak x 0.25, time x 1.05", table)
         self.assertIn("fp8+offload: error: boom", table)
 
+    def test_the_loss_chunked_by_hand_listed_under_the_table(self) -> None:
+        # --by-hand: the row with the loss written in chunks under checkpoint, stock compile.
+        results = {**self.results({0.5: 400}, {0.5: 450}, {0.5: [self.plan(100, 1000, True)]}), "chunked_by_hand": self.row(300, 120.0)}
+        summary = budget_sweep.summarize(results, [0.5], 0.02)
+        self.assertEqual(summary["by_hand"], {"peak": 0.3, "time": 1.2, "error": None})
+        self.assertIn(
+            "the loss chunked by hand under checkpoint, stock compile: peak x 0.30, time x 1.20", budget_sweep.format_table(summary, 0.02)
+        )
+        self.assertIsNone(budget_sweep.summarize(self.results({0.5: 400}, {0.5: 450}, {0.5: []}), [0.5], 0.02)["by_hand"])
+
     def test_errors_are_reported_not_ratioed(self) -> None:
         results = self.results({0.5: 400}, {0.5: 500}, {0.5: []})
         results["amb:0.5"] = {"row": "amb:0.5", "error": "boom"}

@@ -713,11 +713,14 @@ class TestPartitionerFirst(BudgetTestCase):
     # margin; never compressed on top. aot_eager: a taken knapsack's step is stock's, bit
     # for bit.
 
-    def model_step(self, name, device, fraction, blocks=False, stock=False):
+    def model_step(self, name, device, fraction, blocks=False, stock=False, loss_inside=False):
         """(measured peak, forward graphs, gradients, the plans) of one step of ``name``
-        (compiled whole, or block by block with a non-leaf input) under ``budget(fraction)``,
-        or under stock's ``activation_memory_budget = fraction``."""
+        (compiled whole, or block by block with a non-leaf input; ``loss_inside``: compiled
+        whole with the step's loss, its sum) under ``budget(fraction)``, or under stock's
+        ``activation_memory_budget = fraction``."""
         model, x = _model(name, device, **_SIZES[name])
+        if loss_inside:
+            model = _Summed(model)
         torch._dynamo.reset()
         self.plan_log.clear()
         rec = AotEagerAndRecordGraphs()
@@ -749,10 +752,11 @@ class TestPartitionerFirst(BudgetTestCase):
         self.assertEqual(peak, stock[0])
 
     def test_knapsack_taken_where_the_plans_floor_holds_more(self, device):
-        # The transformer at 0.1: the plan's floor (int8 and what is in use at full size)
-        # predicts more than the knapsack, which recomputes down to 0.07 of the bytes.
-        ours = self.model_step("transformer", device, 0.1)
-        self.assert_stocks_step(ours, self.model_step("transformer", device, 0.1, stock=True))
+        # The transformer's step at 0.1, its loss compiled with it: the plan's floor (int8
+        # and what is in use at full size) predicts more than the knapsack, which recomputes
+        # down to 0.07 of the bytes.
+        ours = self.model_step("transformer", device, 0.1, loss_inside=True)
+        self.assert_stocks_step(ours, self.model_step("transformer", device, 0.1, stock=True, loss_inside=True))
         (ratio,) = re.findall(r"recomputation, ([\d.]+) of its default bytes", ours[3][0].preference)
         self.assertLessEqual(float(ratio), 0.1)
 
@@ -915,6 +919,17 @@ class TestBudgetSpec(TestCase):
         self.assertEqual(len(msgs), 1, msgs)
         self.assertIn("eager autograd are kept as they are", msgs[0])
         self.assertEqual(x.grad, 4 * x.detach())
+
+
+class _Summed(torch.nn.Module):
+    """A model and its loss (the sum of its output): one graph returning a scalar."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).sum()
 
 
 def _model(name, device, **kw):

@@ -199,18 +199,20 @@ class TestPredictedPeak(TestCase):
     @pytest.mark.slow
     def test_loss_apart_predicted_within_a_tenth(self, device: str) -> None:
         # The loss compiled on its own (after a graph break, or as torchtitan compiles it):
-        # it saves its input, the logits another graph made, which reach its backward as an
-        # input of the step, not donated: the logits' gradient is written beside them, not in
-        # their place (counting it in place predicted half the step's peak).
-        labels = torch.randint(0, 4096, (1024,), generator=torch.Generator().manual_seed(0)).to(device)
-        base = torch.randn(1024, 4096, device=device, requires_grad=True)
+        # it saves its input, the logits another op made, and its backward writes their
+        # gradient over them where the caller dropped them (donated_inputs): one logits'
+        # bytes at the peak, not two.
+        generator = torch.Generator().manual_seed(0)
+        labels = torch.randint(0, 4096, (1024,), generator=generator).to(device)
+        h = torch.randn(1024, 64, generator=generator).to(device)
+        w = torch.randn(64, 4096, generator=generator).to(device).requires_grad_()
         compiled = torch.compile(lambda logits: torch.nn.functional.cross_entropy(logits, labels))
 
         def step() -> None:
             with torch.autograd.graph.saved_tensors_hooks(*budget(0.9)):
-                loss = compiled(base * 1)  # made by autograd before the graph
+                loss = compiled(h @ w)  # made by autograd before the graph
             loss.backward()
-            base.grad = None
+            w.grad = None
 
         self.assert_predicted_within_a_tenth(step, device)
 

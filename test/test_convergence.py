@@ -72,6 +72,8 @@ class TestTrainBenchPieces(unittest.TestCase):
             self.assertEqual(len(row.hooks()), 2)
         amb = cv.Row.parse("amb:0.3")
         self.assertEqual((amb.amb, amb.applies_patches), (0.3, False))
+        by_hand = cv.Row.parse("chunked_by_hand")
+        self.assertEqual((by_hand.compiled, by_hand.by_hand, by_hand.applies_patches, by_hand.hooks()), (True, True, False, None))
         self.assertEqual(
             cv.split_rows("compiled, fp8_rowwise(block_size=32,otherwise=bf16),budget:0.5"),
             ["compiled", "fp8_rowwise(block_size=32,otherwise=bf16)", "budget:0.5"],

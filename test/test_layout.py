@@ -52,6 +52,7 @@ PER_CALL = {
         "_content_check",
     ),
     "torch_patches/_functorch/_aot_autograd/hook_inputs.py": ("current_input", "resolve", "_alias_of"),
+    "torch_patches/_functorch/_aot_autograd/donated_inputs.py": ("_owned_or_copy",),
     "torch_patches/_functorch/_aot_autograd/runtime_wrappers.py": (
         "_per_call",
         "run_with_hooks_disabled",

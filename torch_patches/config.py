@@ -159,6 +159,15 @@ chunked_loss_head_max_chunks: int = 16
 # activation_memory_budget (whose knapsack rebuilds the head there too).
 chunked_loss_head_keep_logits_from: float = 1.0
 
+# Under an activation memory budget, a saved graph input that is an activation (see
+# hook_activation_inputs) and whose gradient the backward computes, same dtype and size
+# (the logits of a loss compiled apart, as torchtitan compiles it; a block's input under
+# per-block compilation), is handed to the backward to write the gradient over: at each
+# call, where nothing else holds its storage (the caller dropped it) and autograd will not
+# run the backward again (no retain_graph / create_graph); a copy of it otherwise. The input
+# and its gradient are then never held at once. Not under CUDA graphs.
+# (torch_patches/_functorch/_aot_autograd/donated_inputs.py). False: never.
+donate_activation_inputs: bool = True
 # Which points of a compiled graph an activation memory budget bounds.
 #  "auto" (default): a graph that takes an activation autograd produced before it (a
 #      non-leaf input that requires grad: each block compiled on its own, as FSDP2 and

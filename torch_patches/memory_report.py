@@ -175,6 +175,7 @@ class MemoryReport:
                     f"    with the graphs' own tensors the step peaks at {_size(p.predicted_peak_bytes)}, at {p.predicted_peak_at}"
                 )
             lines.extend(f"    {head}" for head in p.loss_heads)
+            lines.extend(f"    {donated}" for donated in p.donated_inputs)
             if p.copies():
                 lines.append(f"    {p.copies()}")
         return "\n".join(lines)

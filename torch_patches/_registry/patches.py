@@ -179,7 +179,7 @@ PATCHES: tuple[Patch, ...] = (
         fingerprints=_fp("aot.budget_exact_recompute_first"),
         after=("aot.inline_saved_tensors_hooks",),
         issue=25,
-        tests=("test/test_budget.py",),
+        tests=("test/test_budget.py", "test/test_donated_inputs.py"),
         measured=(
             "`budget(F)` peaks at 0.39x (Llama, F=0.3) where stock `activation_memory_budget` "
             "gives 0.79x, at 1.06x vs 1.19x step time (CPU, benchmarks/results/convergence.md, budget against "

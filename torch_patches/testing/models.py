@@ -182,6 +182,39 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
     return CausalLMLoss()
 
 
+def chunked_by_hand_loss(lm: Any, chunks: int = 8) -> Any:
+    """A module wrapping the causal language model ``lm`` (as ``.lm``) whose loss is written
+    by hand in ``chunks`` chunks of tokens, each chunk's head and cross-entropy under
+    ``torch.utils.checkpoint`` (what torchtune and Liger users write): the model's body returns
+    its last hidden states, no (tokens x vocabulary) tensor outlives its chunk.  Called with
+    token ids, it returns the mean next-token loss, labels shifted by padding as HF shifts
+    them (Gemma 2's ``final_logit_softcapping`` applied)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+
+    def chunk_loss(h: Any, y: Any) -> Any:
+        logits = lm.get_output_embeddings()(h).float()
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+
+    class ChunkedByHand(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: Any) -> Any:
+            labels = F.pad(ids, (0, 1), value=-100)[:, 1:].flatten()
+            h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
+            total = sum(checkpoint(chunk_loss, hc, yc, use_reentrant=False) for hc, yc in zip(h.chunk(chunks), labels.chunk(chunks)))
+            return total / (labels != -100).sum()
+
+    return ChunkedByHand()
+
+
 def cross_entropy_loss(pred: Any, labels: Any) -> Any:
     """torchtitan's ``cross_entropy_loss``: the logits flattened over the tokens and upcast,
     a mean over the targets other than -100."""

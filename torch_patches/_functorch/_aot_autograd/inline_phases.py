@@ -12,7 +12,9 @@ per saved tensor (``saved_tensor_records``); each phase is a function over the r
 * place and rewrite: every hook traced before either graph is touched (``hook_tracing``),
   then each pack put right after its saved tensor's last forward use and each unpack right
   before its first backward use (``graph_surgery``), the hooks' lifted inputs mapped to the
-  forward's placeholders.
+  forward's placeholders;
+* donate: under a budget, saved activation inputs handed to the backward that computes
+  their gradients, to write them over (``donated_inputs``).
 
 The records are what the compilation reports (the debug log,
 ``torch_patches.testing.saved_tensor_records()``).
@@ -36,6 +38,7 @@ from torch_patches._functorch._aot_autograd import (
     activation_inputs as act_inputs,
     checkpointed,
     compile_facts,
+    donated_inputs,
     graph_surgery,
     hook_scopes,
     hook_tracing,
@@ -332,6 +335,8 @@ def inline(
     plans = _trace(graphs, candidates)
     if plans or recomputed:
         _rewrite(graphs, plans, candidates, recomputed, aliases)
+    if any(r.scope_pair.kind.budget is not None for r in candidates):
+        _donate(graphs)
     compiled.records.extend(recomputed_by_partitioner)
     records.log_records(compiled, graphs.artifact)
     records.publish(compiled)
@@ -575,6 +580,22 @@ def _rewrite(
     fw_module.recompile()
     bw_module.recompile()
     _log_graphs(fw_module, bw_module, graphs.aot_config, "post", structured)
+
+
+def _donate(graphs: _GraphPair) -> None:
+    """Phase donate (after the rewrite, on the graphs as they now are): the saved activation
+    inputs the backward may write their gradients over (``donated_inputs``)."""
+    fw_module, bw_module, num = graphs.fw_module, graphs.bw_module, graphs.num_inner_fwd_outputs
+    saved = [n for n in hook_utils.graph_outputs(fw_module.graph)[num:] if isinstance(n, fx.Node)]
+    inputs = act_inputs.activation_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices, num)
+    bw_inputs = graph_surgery.saved_backward_inputs(fw_module, bw_module, num)
+    donated = donated_inputs.donatable(fw_module.graph, bw_module.graph, saved, bw_inputs, inputs)
+    if donated:
+        names = ", ".join(n.name for n in donated)
+        graphs.artifact.info(
+            "saved inputs handed to the backward that computes their gradients (written over where the caller dropped them): %s", names
+        )
+        donated_inputs.donate(fw_module, bw_module, num, donated)
 
 
 def _log_inlined(graphs: _GraphPair) -> None:

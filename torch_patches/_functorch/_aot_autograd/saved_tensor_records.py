@@ -328,6 +328,9 @@ class BudgetPlanSummary:
     #: each in words: its chunks, the unchunked head's (tokens x vocabulary) bytes, whether the
     #: returned logits are recomputed and what that costs.
     loss_heads: tuple[str, ...] = ()
+    #: Saved graph inputs whose gradients the backward writes over them where the caller
+    #: dropped them (``donated_inputs``), each in words.
+    donated_inputs: tuple[str, ...] = ()
     predicted_peak_bytes: int | None = None
     predicted_peak_at: str = ""
 
@@ -481,6 +484,8 @@ def log_records(compiled: CompiledSavedTensors, artifact: logging.Logger) -> Non
         )
         for head in p.loss_heads:
             artifact.debug("budget plan (%s): %s", p.scope, head)
+        for donated in p.donated_inputs:
+            artifact.debug("budget plan (%s): %s", p.scope, donated)
         if p.floor_bytes is not None:
             artifact.debug("budget plan (%s): floor %d B, held by %s", p.scope, p.floor_bytes, "; ".join(p.floor_holders))
         if p.copies():

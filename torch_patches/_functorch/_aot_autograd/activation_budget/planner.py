@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookConfigError
-from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
+from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs, donated_inputs
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import (
     Rates,
     copy_engine,
@@ -245,7 +245,11 @@ def plan(
     """
     result = choose(pair, spec, facts, build_choices(spec, facts, members, plannable, aliases), exact, trial)
     bw_saved = [facts.bw_inputs[s.name] for s in facts.saved_tensors if s.name in facts.bw_inputs]
-    result.predicted = predicted_peak(result, facts.fw_g, facts.bw_g, facts.saved_tensors, bw_saved)
+    donated = donated_inputs.donatable(facts.fw_g, facts.bw_g, facts.saved_tensors, facts.bw_inputs, facts.inputs)
+    kept = {m for c in result.choices if c.chosen.device_bytes == c.nbytes for m in c.members}
+    donated = {n: b for n, b in donated.items() if n in kept}
+    result.predicted = predicted_peak(result, facts.fw_g, facts.bw_g, facts.saved_tensors, bw_saved, set(donated))
+    result.donated = tuple(donated_inputs.describe(n) for n in donated)
     return result
 
 

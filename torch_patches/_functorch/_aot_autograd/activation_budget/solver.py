@@ -145,6 +145,9 @@ class Plan:
     #: The step's peak the plan predicts with what the graphs hold besides the saved
     #: tensors, and where (set by the planner once the plan is taken).
     predicted: tuple[int, str] | None = None
+    #: Saved graph inputs the plan keeps and the backward writes their gradients over where
+    #: the caller dropped them (``donated_inputs``), each in words (set with ``predicted``).
+    donated: tuple[str, ...] = ()
     #: While a report records: ``(fraction, peak bytes, ms, met)`` of the plan at fractions
     #: of the saved bytes (set by the planner).
     pareto: tuple[tuple[float, int, float, bool], ...] = ()

@@ -68,6 +68,7 @@ def summarize(
         copy_exposed_ms=sum(c.chosen.exposed_ms for c in offloaded),
         ahead_bytes=result.ahead_bytes,
         loss_heads=tuple(found.loss_heads) if found is not None else (),
+        donated_inputs=result.donated,
     )
     if not result.met:
         share = f" ({floor / result.baseline_bytes:.2f} of the saved bytes)" if result.baseline_bytes else ""

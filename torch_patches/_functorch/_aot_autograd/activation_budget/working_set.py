@@ -12,8 +12,8 @@ reads them off the graphs (compile time, pure fx):
   left out (the plan models them).  A tensor is alive from the node that makes it to the
   last node reading it (or one of its views); an output of the graph to the graph's end, and
   so is an input (a backward's incoming gradients, held by autograd for the call), except
-  the zeros autograd makes for outputs the caller dropped where it hands the compiled
-  backward its gradients in a list the backward empties (:func:`dropped_tangents`).
+  where autograd hands the compiled backward its gradients in a list the backward empties
+  (:func:`dropped_tangents`): then they die at their last use.
   Under Inductor a pointwise op all of whose readers are pointwise ops or reductions is
   fused into them and never materialised (:func:`materialized`): counted as nothing, and
   what it reads stays alive until the kernel it is fused into has run (:func:`kernel_ends`).
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from typing import Any, cast
 
 import torch
@@ -210,21 +210,17 @@ def _reused_input(
 
 
 def dropped_tangents(bw_g: fx.Graph) -> set[fx.Node]:
-    """The incoming gradients of a backward that are most likely zeros autograd makes for
-    outputs the caller dropped, and that die at their last use: where autograd hands a
-    compiled backward its gradients in a list the backward empties (``boxed_grads_call``,
-    torch 2.13 on), those zeros are held by nothing else (a real gradient stays in the
-    engine's buffer for the call).  Which outputs the caller drops is known at runtime
-    only; a forward returning a scalar that requires grad (a 0-dim incoming gradient) returns
-    its step's loss, and its other outputs are taken as dropped (HF's logits and cache beside
-    the loss)."""
+    """The incoming gradients of a backward that die at their last use: where autograd
+    hands a compiled backward its gradients in a list the backward empties
+    (``boxed_grads_call``, torch 2.13 on), the engine keeps none of them: the zeros it makes
+    for outputs the caller dropped (HF's logits and cache beside the loss) and the real
+    gradients of the outputs the step reads (the logits' gradient a loss compiled apart
+    computes, a block's output's under per-block compilation) alike.  A 0-dim gradient (a
+    loss's) is left out: it is the engine's seed, and too small to matter."""
     if not hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed"):
         return set()
     tangents = [n for n in bw_g.find_nodes(op="placeholder") if is_incoming_gradient(n)]
-    vals = [n.meta.get("val") for n in tangents]
-    if not any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in vals):
-        return set()
-    return {n for n, v in zip(tangents, vals) if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {n for n in tangents if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0}
 
 
 def held_bytes(
@@ -344,12 +340,16 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
     return out if len(out) == len(nodes) else nodes
 
 
-def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node]) -> tuple[int, str]:
+def predicted_peak(
+    plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node], donated: Set[fx.Node] = frozenset()
+) -> tuple[int, str]:
     """The most ``plan``'s saved storages and the graphs' own tensors hold at once, and
     where (in words).  ``saved``: the forward's saved tensors, ``bw_saved``: their backward
-    inputs.  In the forward a planned storage is full until its last forward use and in its
-    stored form after; a storage the plan cannot store otherwise is full from where it is
-    made.  In the backward each storage is as the plan's timeline has it."""
+    inputs; ``donated``: saved graph inputs the plan keeps that the backward writes their
+    gradients over (``donated_inputs``).  In the forward a planned storage is full until its
+    last forward use and in its stored form after; a storage the plan cannot store otherwise
+    is full from where it is made.  In the backward each storage is as the plan's timeline
+    has it."""
     fw_nodes = list(fw_g.nodes)
     fw_pos = {n: i for i, n in enumerate(fw_nodes)}
     fw_held = held_bytes(fw_g, saved, inputs=False)
@@ -382,7 +382,7 @@ def predicted_peak(plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Nod
     # (reorder_for_peak_memory): the lower of the two.
     dropped = dropped_tangents(bw_g)
     orders = [None, memory_order(bw_g, (), dropped | set(bw_saved))]
-    peak, at = min((_backward_peak(plan, bw_g, bw_saved, returned, dropped, order) for order in orders), key=lambda t: t[0])
+    peak, at = min((_backward_peak(plan, bw_g, bw_saved, returned, dropped, order, donated) for order in orders), key=lambda t: t[0])
     return (peak, at) if peak > best else (best, where)
 
 
@@ -393,6 +393,7 @@ def _backward_peak(
     returned: collections.Counter,
     dropped: set[fx.Node],
     order: list[fx.Node] | None,
+    donated_inputs: Set[fx.Node] = frozenset(),
 ) -> tuple[int, str]:
     """The backward's part of :func:`predicted_peak`, its nodes run in ``order`` (default the
     graph's): a storage's span, in the graph's positions on the plan, runs from the first to
@@ -435,7 +436,8 @@ def _backward_peak(
         # A stored form (bf16, int8, fp8) is read by its unpack's kernel, which writes the
         # full-size tensor beside it: freed after it.
         diff[min(first + 1, len(bw_nodes)) if c.chosen.device_bytes not in (0, c.nbytes) else first] -= c.chosen.device_bytes
-        donated = all(returned[act_inputs.storage_root(m)] == 1 and act_inputs.storage_root(m).op != "placeholder" for m in c.members)
+        roots = [(m, act_inputs.storage_root(m)) for m in c.members]
+        donated = all(returned[r] == 1 and (r.op != "placeholder" or m in donated_inputs) for m, r in roots)
         diff[freed(last, c.nbytes if donated else 0)] -= c.nbytes
     for span, nbytes in plan.fixed:
         diff[0] += nbytes
