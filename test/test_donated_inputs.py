@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import unittest
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
@@ -149,6 +150,7 @@ class TestDonatedInputs(TestCase):
 
 
 class TestTorchtitansCall(TestCase):
+    @pytest.mark.slow
     @unittest.skipIf(importlib.util.find_spec("transformers") is None, "needs transformers")
     def test_hf_llama_loss_apart_equals_eager_and_the_loss_chunked_by_hand(self, device: str) -> None:
         """An HF Llama called as torchtitan calls it (the model compiled, the loss compiled

@@ -49,10 +49,9 @@ UPSTREAM_MODULE = "torch._functorch._aot_autograd.donated_inputs"
 # purpose: to Inductor its output is a buffer of its own, which it may write over in place
 # (``torch.library.custom_op``, whose outputs must never alias inputs, cannot declare it).
 # AOTAutograd checks custom ops' aliasing at a compiled graph's first forward call only.
-# Both are opaque to Inductor (fallback kernels).
+# Both are opaque to Inductor (fallback kernels); they are registered at the module's end
+# (:func:`_register`), once ``owned_or_copy``'s kernel is defined.
 _lib = torch.library.Library("saved_tensors_hooks", "FRAGMENT")
-_lib.define("save_apart(Tensor(a) x) -> Tensor(a)")
-_lib.define("owned_or_copy(Tensor x) -> Tensor")
 
 
 def _apart(x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +69,16 @@ def _like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
 
 
-_lib.impl("save_apart", _apart, "CompositeExplicitAutograd")
-torch.library.register_fake("saved_tensors_hooks::save_apart", torch.ops.aten.alias.default, lib=_lib)
-torch.library.register_fake("saved_tensors_hooks::owned_or_copy", _like, lib=_lib)
-
-save_apart = torch.ops.saved_tensors_hooks.save_apart.default
-owned_or_copy = torch.ops.saved_tensors_hooks.owned_or_copy.default
+def _register(lib: torch.library.Library) -> tuple[torch._ops.OpOverload, torch._ops.OpOverload]:
+    """Define both ops in ``lib`` with their kernels and fake kernels; the two overloads."""
+    lib.define("save_apart(Tensor(a) x) -> Tensor(a)")
+    lib.define("owned_or_copy(Tensor x) -> Tensor")
+    lib.impl("save_apart", _apart, "CompositeExplicitAutograd")
+    lib.impl("owned_or_copy", _owned_or_copy, "CompositeExplicitAutograd")
+    torch.library.register_fake("saved_tensors_hooks::save_apart", torch.ops.aten.alias.default, lib=lib)
+    torch.library.register_fake("saved_tensors_hooks::owned_or_copy", _like, lib=lib)
+    ops = torch.ops.saved_tensors_hooks
+    return ops.save_apart.default, ops.owned_or_copy.default
 
 
 def _under_cudagraphs() -> bool:
@@ -176,4 +179,4 @@ def _owned_or_copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-_lib.impl("owned_or_copy", _owned_or_copy, "CompositeExplicitAutograd")
+save_apart, owned_or_copy = _register(_lib)
