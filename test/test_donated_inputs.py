@@ -17,20 +17,15 @@ import unittest
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd.donated_inputs import owned_or_copy, save_apart
 from torch_patches.hooks import budget
 from torch_patches.testing import InductorAndRecordGraphs, TestCase, instantiate_device_type_tests, peak_bytes, saved_tensor_records
+from torch_patches.testing.models import cross_entropy_loss  # torchtitan's loss
 
 TOKENS, DIM, VOCAB = 2048, 32, 4096
-
-
-def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """torchtitan's loss: the logits flattened over the tokens and upcast, a mean."""
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
 
 
 class TestDonatedInputs(TestCase):
