@@ -253,6 +253,29 @@ class TestInductorCacheKey(TestCase):
         self.assertNotEqual(ours[0], other[0])
         self.assertEqual(ours[1], other[1])
 
+    def test_backward_graphs_keyed_where_their_incoming_gradients_are_freed(self):
+        # A backward compiled where Inductor's memory model frees its incoming gradients at
+        # their last use (torch 2.13 on, inductor.incoming_gradients_freeable) is ordered for
+        # that: its entry is never served to a process that counts them otherwise.
+        from torch._inductor.codecache import FxGraphHashDetails
+
+        from torch_patches._inductor.codecache import FREED_GRADIENTS_ATTR
+
+        g = torch.fx.Graph()
+        x, t = g.placeholder("primals_1"), g.placeholder("tangents_1")
+        g.output((g.call_function(torch.ops.aten.mul.Tensor, (x, t)),))
+        gm = torch.fx.GraphModule({}, g)
+
+        def marked(is_backward):
+            details = FxGraphHashDetails(gm, [torch.ones(2), torch.ones(2)], {"is_backward": is_backward}, [])
+            return hasattr(details, FREED_GRADIENTS_ATTR)
+
+        freed = "inductor.incoming_gradients_freeable" in torch_patches.applied_patches()
+        self.assertEqual(marked(True), freed)
+        self.assertFalse(marked(False))
+        torch_patches.unapply()
+        self.assertFalse(marked(True))
+
 
 class TestHookCacheKey(TestCase):
     apply_patches = False

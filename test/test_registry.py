@@ -72,8 +72,8 @@ class TestRecords(TestCase):
             self.assertIn(":", patch.target)
             self.assertEqual(
                 sorted(patch.fingerprints),
-                SUPPORTED_MINORS,
-                f"{patch.name} lacks fingerprints for some supported torch versions",
+                [m for m in SUPPORTED_MINORS if patch.in_band(_registry.parse_version(m))],
+                f"{patch.name} lacks fingerprints for some torch versions of its band",
             )
             # The Test Plan of its upstream commit: test files that exist.
             self.assertTrue(patch.tests, f"{patch.name} names no tests")
@@ -176,7 +176,6 @@ class TestApplyUnapply(TestCase):
                 "inductor.free_without_reuse",
                 "inductor.no_inplace_reuse",
                 "inductor.offload_order_kept",
-                "inductor.fx_graph_cache_keys_offload_code",
             },
         )
         torch_patches.apply(offload=False)

@@ -247,6 +247,34 @@ PATCHES: tuple[Patch, ...] = (
         risk="fewer cache hits for graphs whose hooks fell back",
     ),
     Patch(
+        name="inductor.incoming_gradients_freeable",
+        target="torch._inductor.utils:is_nonfreeable_buffers",
+        replacement=f"{_TP}_inductor.utils:make_is_nonfreeable_buffers",
+        wraps=True,
+        summary="[inductor] Count a boxed backward's incoming gradients as freed at their last use in the peak-memory model",
+        upstream=f"{_BLOB}torch/_inductor/utils.py",
+        retire_when="Inductor's peak-memory model frees the incoming gradients of a backward whose inputs are boxed",
+        fingerprints=_fp("inductor.incoming_gradients_freeable"),
+        depends_on=("torch._inductor.memory:get_freeable_input_buf",),
+        # Autograd hands a compiled backward its gradients boxed from torch 2.13
+        # (BackwardCFunction.apply_boxed); before, it holds them to the call's end.
+        torch_min=(2, 13),
+        after=("aot.budget_exact_recompute_first",),
+        issue=57,
+        tests=("test/test_incoming_gradients.py", "test/test_compile_cache.py"),
+        measured=(
+            "torchtitan's call (the loss compiled apart), Llama 2 x 256 at a 32,768 vocabulary, batch 2 x 512, "
+            "`budget(0.5)`: the body's backward reads the logits' gradient (128 MiB) first instead of last, a step "
+            "peak of 174.4 MiB where it was 201.8 MiB (0.60x of no hooks, planned 0.61x; was 0.69x); CPU, torch 2.13 "
+            "(benchmarks/results/loss-head.md)"
+        ),
+        risk=(
+            "Inductor's reorder and its realize heuristic count a top-level backward's incoming gradients as "
+            "freeable: where the caller keeps a gradient alive (a retained `grad_output`) the estimate is low by "
+            "that tensor, as for any buffer the caller holds; forward graphs, subgraphs and torch before 2.13 are as before"
+        ),
+    ),
+    Patch(
         name="inductor.free_without_reuse",
         target=f"{_IW}:PythonWrapperCodegen.codegen_free",
         replacement=f"{_TP}_inductor.codegen.wrapper:make_codegen_free",
@@ -314,7 +342,7 @@ PATCHES: tuple[Patch, ...] = (
         target="torch._inductor.codecache:FxGraphHashDetails.__init__",
         replacement=f"{_TP}_inductor.codecache:make_fx_graph_hash_details_init",
         wraps=True,
-        summary="[inductor] Key the FX graph cache of graphs holding saved-tensor offload ops on the code that lowers and orders them",
+        summary="[inductor] Key the FX graph cache of graphs whose code the saved-tensor patches change (offload ops, freed incoming gradients)",
         upstream=f"{_BLOB}torch/_inductor/codecache.py",
         retire_when="the offload ops' lowering and order are torch's own source, which torch_key() digests",
         fingerprints=_fp("inductor.fx_graph_cache_keys_offload_code"),
@@ -322,14 +350,18 @@ PATCHES: tuple[Patch, ...] = (
         after=("inductor.offload_order_kept",),
         issue=50,
         tests=("test/test_compile_cache.py", "test/test_offload.py"),
-        area="offload",
         measured=(
             "none upstream, where the offload ops' lowering and order are torch's source and "
             "`torch_key()` digests them; in the patch set, a process of another release misses Inductor's cache "
             "for graphs holding the offload ops (2 misses where it took 2 stale hits for `cpu_offload()`) and "
-            "still hits for the others"
+            "still hits for the others; a backward graph compiled where its incoming gradients are freed at their "
+            "last use misses the entries of a process where they are not"
         ),
-        risk=("one walk of each graph's nodes while its key is made; only graphs holding the offload ops change keys"),
+        risk=(
+            "one walk of each graph's nodes while its key is made; only graphs holding the offload ops and "
+            "backward graphs reading incoming gradients (where their rule is applied) change keys: those miss "
+            "entries a process without the patch set wrote, once"
+        ),
     ),
 )
 
