@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from torch_patches._functorch._aot_autograd.hook_walk import own_source_digest
+from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient
 from torch_patches._inductor.memory import OFFLOAD_OPS
 
 #: The attribute of ``FxGraphHashDetails`` holding the digest (part of the pickled key).
@@ -41,8 +42,6 @@ OFFLOAD_DIGEST_ATTR = "saved_tensors_hooks_offload_source"
 #: The attribute of ``FxGraphHashDetails`` that marks a backward graph whose incoming
 #: gradients its memory model frees at their last use.
 FREED_GRADIENTS_ATTR = "incoming_gradients_freed_at_last_use"
-#: The prefix AOTAutograd names a backward graph's incoming gradients with.
-INCOMING_GRADIENT_PREFIX = "tangents"
 
 
 def holds_offload_ops(gm: Any) -> bool:
@@ -82,9 +81,9 @@ def frees_incoming_gradients() -> bool:
     from torch._inductor.virtualized import V
 
     with V.set_graph_handler(types.SimpleNamespace(is_backward=True, name=None)):  # type: ignore[arg-type]
-        return not utils.is_nonfreeable_buffers(types.SimpleNamespace(name=f"{INCOMING_GRADIENT_PREFIX}_1"))  # type: ignore[arg-type]
+        return not utils.is_nonfreeable_buffers(types.SimpleNamespace(name="tangents_1"))  # type: ignore[arg-type]
 
 
 def reads_incoming_gradients(gm: Any) -> bool:
     """Whether the FX graph ``gm`` has an incoming gradient among its inputs."""
-    return any(str(n.target).startswith(INCOMING_GRADIENT_PREFIX) for n in gm.graph.find_nodes(op="placeholder"))
+    return any(map(is_incoming_gradient, gm.graph.find_nodes(op="placeholder")))
