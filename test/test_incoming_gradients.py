@@ -17,16 +17,16 @@ import torch
 from torch._dynamo.test_case import run_tests
 
 import torch_patches
+from torch_patches._registry import parse_version
+from torch_patches._registry.patches import PATCHES
 from torch_patches.testing import TestCase, instantiate_device_type_tests
 
 PATCH = "inductor.incoming_gradients_freeable"
 
 
 def _in_band() -> bool:
-    return any(
-        p.name == PATCH and p.in_band(torch_patches._registry.records.parse_version(torch.__version__))
-        for p in torch_patches._registry.patches.PATCHES
-    )
+    (patch,) = [p for p in PATCHES if p.name == PATCH]
+    return patch.in_band(parse_version(torch.__version__))
 
 
 @unittest.skipUnless(_in_band(), "autograd boxes a compiled backward's gradients from torch 2.13")
