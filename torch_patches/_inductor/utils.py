@@ -15,7 +15,8 @@ body's backward computed the LM head's weight gradient last, holding the logits'
 (128 MiB) through the whole backward, a step peak of 201.8 MiB where an order that reads it
 first peaks at 174.4 MiB (CPU, torch 2.13).  Here the incoming gradients of a top-level
 backward graph are freeable; the primals (parameters and inputs the caller holds) and
-subgraphs' inputs (their parent holds them) are as before.
+subgraphs' inputs (their parent holds them) are as before, and so is every input before torch
+2.13, where autograd holds the gradients until the backward returns.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
+
 #: The prefix AOTAutograd names a backward graph's incoming gradients with.
 INCOMING_GRADIENT_PREFIX = "tangents"
 
 
 def frees_incoming_gradients(graph: Any) -> bool:
-    """Whether ``graph`` (a ``GraphLowering``) is a top-level backward, whose incoming
-    gradients its code frees at their last use."""
-    return bool(getattr(graph, "is_backward", False)) and getattr(graph, "name", None) is None
+    """Whether ``graph`` (a ``GraphLowering``) is a top-level backward whose incoming
+    gradients its code frees at their last use: where autograd hands them over boxed."""
+    return bool(getattr(graph, "is_backward", False)) and getattr(graph, "name", None) is None and incoming_gradients_boxed()
 
 
 def make_is_nonfreeable_buffers(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -256,9 +256,6 @@ PATCHES: tuple[Patch, ...] = (
         retire_when="Inductor's peak-memory model frees the incoming gradients of a backward whose inputs are boxed",
         fingerprints=_fp("inductor.incoming_gradients_freeable"),
         depends_on=("torch._inductor.memory:get_freeable_input_buf",),
-        # Autograd hands a compiled backward its gradients boxed from torch 2.13
-        # (BackwardCFunction.apply_boxed); before, it holds them to the call's end.
-        torch_min=(2, 13),
         after=("aot.budget_exact_recompute_first",),
         issue=57,
         tests=("test/test_incoming_gradients.py", "test/test_compile_cache.py"),
@@ -271,7 +268,8 @@ PATCHES: tuple[Patch, ...] = (
         risk=(
             "Inductor's reorder and its realize heuristic count a top-level backward's incoming gradients as "
             "freeable: where the caller keeps a gradient alive (a retained `grad_output`) the estimate is low by "
-            "that tensor, as for any buffer the caller holds; forward graphs, subgraphs and torch before 2.13 are as before"
+            "that tensor, as for any buffer the caller holds; forward graphs, subgraphs and torch before 2.13 (where autograd "
+            "holds the gradients to the backward's end, `BackwardCFunction.apply_boxed` absent) are as before"
         ),
     ),
     Patch(

@@ -97,6 +97,13 @@ def is_incoming_gradient(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and str(node.target).startswith("tangents")
 
 
+def incoming_gradients_boxed() -> bool:
+    """Whether autograd hands a compiled backward its incoming gradients in a list the
+    backward empties (``BackwardCFunction.apply_boxed``, torch 2.13 on): then each dies after
+    its last reader in the backward; before, autograd holds them until the call returns."""
+    return hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
+
+
 def hook_name(fn: Any) -> str:
     """A human name for a hook, for errors and logs."""
     if isinstance(fn, torch.fx.GraphModule):
