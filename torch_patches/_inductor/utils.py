@@ -25,8 +25,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
-
 #: The prefix AOTAutograd names a backward graph's incoming gradients with.
 INCOMING_GRADIENT_PREFIX = "tangents"
 
@@ -34,6 +32,9 @@ INCOMING_GRADIENT_PREFIX = "tangents"
 def frees_incoming_gradients(graph: Any) -> bool:
     """Whether ``graph`` (a ``GraphLowering``) is a top-level backward whose incoming
     gradients its code frees at their last use: where autograd hands them over boxed."""
+    # Imported here: Inductor's utils are imported long before AOTAutograd's.
+    from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
+
     return bool(getattr(graph, "is_backward", False)) and getattr(graph, "name", None) is None and incoming_gradients_boxed()
 
 
