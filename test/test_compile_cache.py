@@ -259,6 +259,7 @@ class TestInductorCacheKey(TestCase):
         # that: its entry is never served to a process that counts them otherwise.
         from torch._inductor.codecache import FxGraphHashDetails
 
+        from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
         from torch_patches._inductor.codecache import FREED_GRADIENTS_ATTR
 
         g = torch.fx.Graph()
@@ -269,8 +270,6 @@ class TestInductorCacheKey(TestCase):
         def marked(is_backward):
             details = FxGraphHashDetails(gm, [torch.ones(2), torch.ones(2)], {"is_backward": is_backward}, [])
             return hasattr(details, FREED_GRADIENTS_ATTR)
-
-        from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
 
         self.assertEqual(marked(True), incoming_gradients_boxed())
         self.assertFalse(marked(False))

@@ -68,13 +68,13 @@ def make_fx_graph_hash_details_init(original: Callable[..., Any]) -> Callable[..
         if holds_offload_ops(gm):
             setattr(self, OFFLOAD_DIGEST_ATTR, digest)
         fx_kwargs = args[1] if len(args) > 1 else kwargs.get("fx_kwargs", {})
-        if fx_kwargs.get("is_backward") and frees_incoming_gradients() and reads_incoming_gradients(gm):
+        if fx_kwargs.get("is_backward") and memory_model_frees_incoming_gradients() and reads_incoming_gradients(gm):
             setattr(self, FREED_GRADIENTS_ATTR, True)
 
     return __init__
 
 
-def frees_incoming_gradients() -> bool:
+def memory_model_frees_incoming_gradients() -> bool:
     """Whether Inductor's memory model, as this process has it, frees a top-level backward's
     incoming gradients at their last use (``utils.py``'s patch applied): asked of the model."""
     from torch._inductor import utils
