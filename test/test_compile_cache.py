@@ -338,5 +338,25 @@ class TestHookCacheKey(TestCase):
         self.assertIn(key[0], call.meta["user_cache_hash"])
 
 
+class TestStandIns(TestCase):
+    def test_compiles_leave_no_fx_leaf_registrations(self):
+        # The stand-ins' generated code registers them as fx.wrap leaves, one entry per
+        # GraphModule for the process's life, which every later trace walks: compiling a
+        # hooked step again and again must not grow that registry.
+        from torch.fx import _symbolic_trace
+
+        def registered():
+            return sum(1 for _, name in _symbolic_trace._wrapped_fns_to_patch if "saved_tensors_" in name)
+
+        w = torch.randn(4, 4, requires_grad=True)
+        counts = []
+        for _ in range(3):
+            torch._dynamo.reset()
+            with torch.autograd.graph.saved_tensors_hooks(*torch_patches.hooks.bf16()):
+                torch.compile(lambda x: (x @ w).sin().sum(), backend="aot_eager")(torch.randn(4, 4)).backward()
+            counts.append(registered())
+        self.assertLessEqual(max(counts), 2, counts)
+
+
 if __name__ == "__main__":
     run_tests()

@@ -49,6 +49,30 @@ def saved_tensors_unpack_hook(x: Any) -> Any:
 _STAND_INS = {"pack": saved_tensors_pack_hook, "unpack": saved_tensors_unpack_hook}
 
 
+def _forget_stand_ins_as_fx_leaves() -> None:
+    """Drop the leaf-function registrations our stand-ins' GraphModules made.
+
+    A call marked ``is_wrapped`` (which AOTAutogradCache needs to read its
+    ``user_cache_hash``) makes FX's codegen call ``torch.fx.wrap`` in the module it
+    generates: every GraphModule holding a stand-in, and every copy of one, registers the
+    stand-in under that module's globals, held for the life of the process
+    (``torch.fx._symbolic_trace._wrapped_fns_to_patch``), and every later trace (make_fx,
+    symbolic_trace: AOTAutograd's and the inliner's) patches and restores each entry. A
+    process compiling a hooked step a thousand times made every trace walk two thousand
+    entries (and kept two thousand dicts alive). The stand-ins are never traced through
+    (no graph calls them), so the entries serve nothing: forgotten at each install.
+    """
+    from torch.fx import _symbolic_trace
+
+    registry = getattr(_symbolic_trace, "_wrapped_fns_to_patch", None)
+    if not isinstance(registry, dict):
+        return
+    stand_ins = set(map(id, _STAND_INS.values()))
+    for key, module_globals in list(registry.items()):
+        if isinstance(key, tuple) and len(key) == 2 and id(module_globals.get(key[1])) in stand_ins:
+            del registry[key]
+
+
 def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -> fx.GraphModule:
     """A GraphModule standing for one inlineable hook in the compile caches' key.
 
@@ -70,7 +94,9 @@ def hook_subgraph(fn: Any, role: str, cache_key: tuple[str | None, list[str]]) -
         call.meta["user_cache_hash"] = f"torch_patches:{role}:{digest}"
     graph.output(call)
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    return fx.GraphModule(torch.nn.Module(), graph, class_name=f"saved_tensors_{role}_hook_{name}")
+    gm = fx.GraphModule(torch.nn.Module(), graph, class_name=f"saved_tensors_{role}_hook_{name}")
+    _forget_stand_ins_as_fx_leaves()
+    return gm
 
 
 #: The stand-in subgraph carrying which graph inputs autograd produced (:func:`key_input_leafness`).
