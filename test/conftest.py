@@ -85,9 +85,38 @@ def _no_guard_latency_probe() -> None:
         guards.profile_guard_manager = lambda *args, **kwargs: 0.0
 
 
+#: Collections of the youngest generation after this many net allocations (CPython: 700),
+#: and of the older two after this many of the younger one's (10 and 10).
+_GC_THRESHOLD = (20_000, 20, 20)
+
+
+def _fewer_collections() -> None:
+    """A worker holds over half a million objects once it has imported torch and
+    transformers, and compiling makes many short-lived ones: at CPython's thresholds the
+    cyclic collector ran some 3,000 times in a worker's share of the fast tier and walked
+    the whole heap a dozen times, a tenth of the worker's time. Collections only free
+    reference cycles, which no test leaves holding what it measures (peaks are read around
+    one step), so the tests run with rarer ones, and what collection imported is frozen
+    (:func:`pytest_collection_finish`), out of every later full collection. ``apply()``
+    then finds aliases among frozen module dicts by reading them (``_registry/install.py``;
+    ``test_registry`` covers both of its paths)."""
+    import gc
+
+    gc.set_threshold(*_GC_THRESHOLD)
+
+
+def pytest_collection_finish(session) -> None:  # noqa: ANN001 - pytest's hook
+    import gc
+
+    if gc.get_threshold() == _GC_THRESHOLD:  # a worker (or a run without xdist)
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller runs no test: its workers probe
     _one_collection_at_the_end(config)
     _share_the_vec_isa_probe()
     _no_guard_latency_probe()
+    _fewer_collections()

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import io
 import json
@@ -258,6 +259,10 @@ class TestApplyUnapply(TestCase):
         early = types.ModuleType("tp_test_early_alias")
         early.maybe_inline = original  # as if: from graph_compile import maybe_inline_...
         sys.modules[early.__name__] = early
+        # The collector's referrer search (nothing frozen: test/conftest.py freezes the
+        # session's imports; the frozen case is the next test's).
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
         try:
             torch_patches.apply()
             self.assertIs(early.maybe_inline, _raw(patch))
@@ -270,8 +275,30 @@ class TestApplyUnapply(TestCase):
             self.assertIs(early.maybe_inline, original)
             self.assertIs(late.maybe_inline, original)
         finally:
+            if frozen:
+                gc.freeze()
             sys.modules.pop("tp_test_early_alias", None)
             sys.modules.pop("tp_test_late_alias", None)
+
+    def test_aliases_found_among_frozen_objects(self):
+        # gc.freeze() (servers freeze what they imported) hides objects from the collector's
+        # referrer search: an alias in a module frozen before apply() is rebound all the same.
+        patch = next(p for p in PATCHES if p.name == "aot.inline_saved_tensors_hooks")
+        original = _raw(patch)
+        frozen = types.ModuleType("tp_test_frozen_alias")
+        frozen.maybe_inline = original
+        sys.modules[frozen.__name__] = frozen
+        already_frozen = gc.get_freeze_count()
+        gc.freeze()
+        try:
+            torch_patches.apply()
+            self.assertIs(frozen.maybe_inline, _raw(patch))
+            torch_patches.unapply()
+            self.assertIs(frozen.maybe_inline, original)
+        finally:
+            if not already_frozen:
+                gc.unfreeze()
+            sys.modules.pop("tp_test_frozen_alias", None)
 
     def test_import_changes_nothing(self):
         code = r"""

@@ -104,11 +104,17 @@ def _scan_aliases(values: Iterable[Any]) -> dict[int, list[tuple[ModuleType, str
     found: dict[int, list[tuple[ModuleType, str]]] = {i: [] for i in wanted}
     if not values:
         return found
-    # The dicts that refer to a value, found by the collector in one C-level pass (a module's
-    # dict holding a function or class is always tracked): a few times faster than reading
-    # every value of every module, which apply() and unapply() did at each call.
     modules = {id(d): (module, d) for module, d in _iter_module_dicts()}
-    for referrer in gc.get_referrers(*values):
+    if gc.get_freeze_count():
+        # The collector does not look among what gc.freeze() moved out of its generations
+        # (a server freezing its imports, a test session): every module's dict is read.
+        candidates = [d for _, d in modules.values()]
+    else:
+        # The dicts that refer to a value, found by the collector in one C-level pass (a
+        # module's dict holding a function or class is always tracked): a few times faster
+        # than reading every value of every module.
+        candidates = gc.get_referrers(*values)
+    for referrer in candidates:
         entry = modules.get(id(referrer))
         if entry is None or entry[1] is not referrer:
             continue
