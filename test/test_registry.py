@@ -63,6 +63,19 @@ def _bad_effect():
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@contextlib.contextmanager
+def _aliasing_module(name, value):
+    """A module in sys.modules holding ``value`` as ``maybe_inline`` (an alias of a patched
+    function, as ``from ... import`` makes one), removed afterwards."""
+    module = types.ModuleType(name)
+    module.maybe_inline = value
+    sys.modules[name] = module
+    try:
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
 class TestRecords(TestCase):
     apply_patches = False
 
@@ -256,49 +269,41 @@ class TestApplyUnapply(TestCase):
     def test_aliases_are_rebound_and_restored(self):
         patch = next(p for p in PATCHES if p.name == "aot.inline_saved_tensors_hooks")
         original = _raw(patch)
-        early = types.ModuleType("tp_test_early_alias")
-        early.maybe_inline = original  # as if: from graph_compile import maybe_inline_...
-        sys.modules[early.__name__] = early
         # The collector's referrer search (nothing frozen: test/conftest.py freezes the
         # session's imports; the frozen case is the next test's).
         frozen = gc.get_freeze_count()
         gc.unfreeze()
         try:
-            torch_patches.apply()
-            self.assertIs(early.maybe_inline, _raw(patch))
-            # A module imported after apply() copies the replacement...
-            late = types.ModuleType("tp_test_late_alias")
-            late.maybe_inline = _raw(patch)
-            sys.modules[late.__name__] = late
-            torch_patches.unapply()
-            # ...and unapply() finds it too.
-            self.assertIs(early.maybe_inline, original)
-            self.assertIs(late.maybe_inline, original)
+            # As if: from graph_compile import maybe_inline_...
+            with _aliasing_module("tp_test_early_alias", original) as early:
+                torch_patches.apply()
+                self.assertIs(early.maybe_inline, _raw(patch))
+                # A module imported after apply() copies the replacement...
+                with _aliasing_module("tp_test_late_alias", _raw(patch)) as late:
+                    torch_patches.unapply()
+                    # ...and unapply() finds it too.
+                    self.assertIs(early.maybe_inline, original)
+                    self.assertIs(late.maybe_inline, original)
         finally:
             if frozen:
                 gc.freeze()
-            sys.modules.pop("tp_test_early_alias", None)
-            sys.modules.pop("tp_test_late_alias", None)
 
     def test_aliases_found_among_frozen_objects(self):
         # gc.freeze() (servers freeze what they imported) hides objects from the collector's
         # referrer search: an alias in a module frozen before apply() is rebound all the same.
         patch = next(p for p in PATCHES if p.name == "aot.inline_saved_tensors_hooks")
         original = _raw(patch)
-        frozen = types.ModuleType("tp_test_frozen_alias")
-        frozen.maybe_inline = original
-        sys.modules[frozen.__name__] = frozen
         already_frozen = gc.get_freeze_count()
-        gc.freeze()
-        try:
-            torch_patches.apply()
-            self.assertIs(frozen.maybe_inline, _raw(patch))
-            torch_patches.unapply()
-            self.assertIs(frozen.maybe_inline, original)
-        finally:
-            if not already_frozen:
-                gc.unfreeze()
-            sys.modules.pop("tp_test_frozen_alias", None)
+        with _aliasing_module("tp_test_frozen_alias", original) as frozen:
+            gc.freeze()
+            try:
+                torch_patches.apply()
+                self.assertIs(frozen.maybe_inline, _raw(patch))
+                torch_patches.unapply()
+                self.assertIs(frozen.maybe_inline, original)
+            finally:
+                if not already_frozen:
+                    gc.unfreeze()
 
     def test_import_changes_nothing(self):
         code = r"""
