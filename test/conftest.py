@@ -98,8 +98,8 @@ def _fewer_collections() -> None:
     reference cycles, which no test leaves holding what it measures (peaks are read around
     one step), so the tests run with rarer ones, and what collection imported is frozen
     (:func:`pytest_collection_finish`), out of every later full collection. ``apply()``
-    then finds aliases among frozen module dicts by reading them (``_registry/install.py``;
-    ``test_registry`` covers both of its paths)."""
+    reads every module's dict for aliases, frozen or not (``_registry/install.py``;
+    ``test_registry.test_aliases_found_among_frozen_objects``)."""
     import gc
 
     gc.set_threshold(*_GC_THRESHOLD)

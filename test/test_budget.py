@@ -51,6 +51,7 @@ from torch_patches.hooks.compress import bf16_pack, bf16_unpack
 from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     TestCase,
+    graph_caches_off,
     hook_nodes,
     instantiate_device_type_tests,
     peak_bytes,
@@ -103,7 +104,7 @@ class BudgetTestCase(TestCase):
         super().setUp()
         # The plan is read from the log written while compiling; a hit in Inductor's and
         # AOTAutograd's on-disk caches (warm from an earlier run) skips the planner.
-        caches_off = torch._inductor.config.patch(force_disable_caches=True)
+        caches_off = graph_caches_off()
         caches_off.__enter__()
         self.addCleanup(caches_off.__exit__, None, None, None)
         knob = tp_config.patch(activation_budget_partitioner_recompute=self.partitioner_recompute)

@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch_patches
 from torch_patches._functorch._aot_autograd.activation_budget import working_set
 from torch_patches.hooks import bf16, budget
-from torch_patches.testing import TestCase, instantiate_device_type_tests, peak_bytes, saved_tensor_records
+from torch_patches.testing import TestCase, graph_caches_off, instantiate_device_type_tests, peak_bytes, saved_tensor_records
 
 
 def _llama(device: str, vocab: int = 1024) -> tuple[object, torch.Tensor]:
@@ -247,7 +247,7 @@ class TestAtOrBelowStock(TestCase):
 
             with (
                 torch._functorch.config.patch(activation_memory_budget=1.0 if hooks else 0.3),
-                torch._inductor.config.patch(force_disable_caches=True),
+                graph_caches_off(),
                 saved_tensor_records() as found,
             ):
                 step()

@@ -18,7 +18,7 @@ from torch._dynamo.test_case import run_tests
 
 import torch_patches
 from torch_patches._functorch._aot_autograd.utils import incoming_gradients_boxed
-from torch_patches.testing import TestCase, instantiate_device_type_tests
+from torch_patches.testing import TestCase, graph_caches_off, instantiate_device_type_tests
 
 BOXED = incoming_gradients_boxed()
 
@@ -46,7 +46,7 @@ class TestIncomingGradientsFreed(TestCase):
 @unittest.skipUnless(BOXED, "autograd boxes a compiled backward's gradients from torch 2.13")
 class TestReorderCountsThemFreed(TestCase):
     def test_the_backwards_model_frees_its_incoming_gradient(self, device: str) -> None:
-        from torch._inductor import config as inductor_config, memory
+        from torch._inductor import memory
 
         seen: list[tuple[bool, list[str]]] = []
         original = memory.get_freeable_input_buf
@@ -61,7 +61,7 @@ class TestReorderCountsThemFreed(TestCase):
         x = torch.randn(64, 32, device=device, requires_grad=True)
         w = torch.randn(32, 128, device=device, requires_grad=True)
         fn = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend="inductor")
-        with inductor_config.patch(force_disable_caches=True), mock.patch.object(memory, "get_freeable_input_buf", record):
+        with graph_caches_off(), mock.patch.object(memory, "get_freeable_input_buf", record):
             fn(x, w).backward(torch.ones(64, 128, device=device))
         backward = [names for is_backward, names in seen if is_backward]
         forward = [names for is_backward, names in seen if not is_backward]

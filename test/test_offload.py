@@ -40,6 +40,7 @@ from torch_patches.testing import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
     TestCase,
+    graph_caches_off,
     hook_nodes,
     instantiate_device_type_tests,
 )
@@ -401,7 +402,7 @@ class GraphModule(torch.nn.Module):
             with torch.autograd.graph.saved_tensors_hooks(*pair):
                 return compiled(*inputs)
 
-        with torch._inductor.config.patch(force_disable_caches=True):
+        with graph_caches_off():
             _, codes = run_and_get_code(step)
         fw = codes[0]
         offloaded = set(re.findall(r"saved_tensors_hooks\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", fw))
@@ -430,7 +431,7 @@ class GraphModule(torch.nn.Module):
         # 0.55x. Graphs holding these ops are planned with no candidate order (Inductor logs
         # only the baseline's estimate); other graphs still try theirs.
         inputs = mlp_inputs(device)
-        with torch._inductor.config.patch(force_disable_caches=True, reorder_for_peak_memory=True):
+        with graph_caches_off(), torch._inductor.config.patch(reorder_for_peak_memory=True):
             for hooks, candidates in ((cpu_offload(), False), (None, True)):
                 torch._dynamo.reset()
                 with self.assertLogs("torch._inductor.memory", level="INFO") as logs:

@@ -269,24 +269,51 @@ class TestApplyUnapply(TestCase):
     def test_aliases_are_rebound_and_restored(self):
         patch = next(p for p in PATCHES if p.name == "aot.inline_saved_tensors_hooks")
         original = _raw(patch)
-        # The collector's referrer search (nothing frozen: test/conftest.py freezes the
-        # session's imports; the frozen case is the next test's).
-        frozen = gc.get_freeze_count()
-        gc.unfreeze()
-        try:
-            # As if: from graph_compile import maybe_inline_...
-            with _aliasing_module("tp_test_early_alias", original) as early:
-                torch_patches.apply()
-                self.assertIs(early.maybe_inline, _raw(patch))
-                # A module imported after apply() copies the replacement...
-                with _aliasing_module("tp_test_late_alias", _raw(patch)) as late:
-                    torch_patches.unapply()
-                    # ...and unapply() finds it too.
-                    self.assertIs(early.maybe_inline, original)
-                    self.assertIs(late.maybe_inline, original)
-        finally:
-            if frozen:
-                gc.freeze()
+        # As if: from graph_compile import maybe_inline_...
+        with _aliasing_module("tp_test_early_alias", original) as early:
+            torch_patches.apply()
+            self.assertIs(early.maybe_inline, _raw(patch))
+            # A module imported after apply() copies the replacement...
+            with _aliasing_module("tp_test_late_alias", _raw(patch)) as late:
+                torch_patches.unapply()
+                # ...and unapply() finds it too.
+                self.assertIs(early.maybe_inline, original)
+                self.assertIs(late.maybe_inline, original)
+
+    def test_alias_scan_matches_identity_only(self):
+        # The scan looks functions up by themselves (hashed by identity) and anything else
+        # by id(): a value equal to a target but not it is no alias, and a module value
+        # whose class cannot be hashed (its metaclass defines __eq__ alone) is passed over.
+        class AlwaysEqual:
+            def __eq__(self, other):
+                return True
+
+            def __hash__(self):
+                return 0
+
+        class UnhashableMeta(type):
+            def __eq__(cls, other):
+                return True
+
+            __hash__ = None  # type: ignore[assignment]
+
+        class Odd(metaclass=UnhashableMeta):
+            pass
+
+        def target():
+            pass
+
+        def lookalike():
+            pass
+
+        lookalike.__code__ = target.__code__
+        equal_target = AlwaysEqual()
+        with _aliasing_module("tp_test_scan_alias", target) as module:
+            module.equal_target, module.other_equal = equal_target, AlwaysEqual()
+            module.lookalike, module.odd = lookalike, Odd()
+            found = install._scan_aliases([target, equal_target])
+        self.assertEqual([n for m, n in found[id(target)] if m is module], ["maybe_inline"])
+        self.assertEqual([n for m, n in found[id(equal_target)] if m is module], ["equal_target"])
 
     def test_aliases_found_among_frozen_objects(self):
         # gc.freeze() (servers freeze what they imported) hides objects from the collector's

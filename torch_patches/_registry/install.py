@@ -13,7 +13,6 @@ only :func:`apply` and :func:`status` do.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib
 import logging
 import os
@@ -98,31 +97,39 @@ def _iter_module_dicts() -> Iterator[tuple[ModuleType, dict[str, Any]]]:
 
 
 def _scan_aliases(values: Iterable[Any]) -> dict[int, list[tuple[ModuleType, str]]]:
-    """Every (module, name) in sys.modules that holds one of ``values`` by identity."""
+    """Every (module, name) in sys.modules that holds one of ``values`` by identity.
+
+    Every module's dict is read: ``gc.get_referrers`` would not see what ``gc.freeze()``
+    moved out of the collector's generations (servers and test sessions freeze their
+    imports), and learning whether anything is frozen (``gc.get_freeze_count()``) walks
+    all of it.  Values of a type hashed and compared by identity (functions, the patched
+    targets) are looked up by themselves, without ``id()``: ``id()`` raises an audit event
+    (PEP 578), and with an audit hook in the process (``hook_audit``) calling it on each of
+    the few hundred thousand values of a large process costs ten times the reading."""
     values = list(values)
-    wanted = {id(v) for v in values}
-    found: dict[int, list[tuple[ModuleType, str]]] = {i: [] for i in wanted}
+    found: dict[int, list[tuple[ModuleType, str]]] = {id(v): [] for v in values}
     if not values:
         return found
-    modules = {id(d): (module, d) for module, d in _iter_module_dicts()}
-    if gc.get_freeze_count():
-        # The collector does not look among what gc.freeze() moved out of its generations
-        # (a server freezing its imports, a test session): every module's dict is read.
-        candidates = [d for _, d in modules.values()]
-    else:
-        # The dicts that refer to a value, found by the collector in one C-level pass (a
-        # module's dict holding a function or class is always tracked): a few times faster
-        # than reading every value of every module.
-        candidates = gc.get_referrers(*values)
-    for referrer in candidates:
-        entry = modules.get(id(referrer))
-        if entry is None or entry[1] is not referrer:
-            continue
-        module, d = entry
+    by_identity = frozenset(type(v) for v in values if _hashed_by_identity(type(v)))
+    targets = {v for v in values if type(v) in by_identity}
+    others = {id(v) for v in values if type(v) not in by_identity}
+    for module, d in _iter_module_dicts():
         for name, value in list(d.items()):
-            if id(value) in wanted:
+            try:
+                plain = type(value) in by_identity
+            except TypeError:  # a class made unhashable by its metaclass
+                plain = False
+            if plain:
+                if value in targets:
+                    found[id(value)].append((module, name))
+            elif others and id(value) in others:
                 found[id(value)].append((module, name))
     return found
+
+
+def _hashed_by_identity(kind: type) -> bool:
+    """Whether ``kind``'s instances hash and compare by identity (object's own slots)."""
+    return getattr(kind, "__hash__", None) is object.__hash__ and getattr(kind, "__eq__", None) is object.__eq__
 
 
 # ----------------------------------------------------------------------------- state

@@ -3,7 +3,8 @@
 ``_internal/`` mirrors ``torch/testing/_internal``: each of its modules becomes the upstream
 module of the same name (``tools/export_upstream``).  The recording backends and graph
 normalisation (:class:`AotEagerAndRecordGraphs`, :class:`InductorAndRecordGraphs`,
-:func:`normalize_graph`, :func:`name_primals_by_role`, :func:`hook_nodes`) are ``saved_tensors_hooks_graphs``'s; the other
+:func:`normalize_graph`, :func:`name_primals_by_role`, :func:`hook_nodes`,
+:func:`graph_caches_off`) are ``saved_tensors_hooks_graphs``'s; the other
 helpers (:func:`peak_bytes`, :func:`cpu_peak_of`, :func:`saved_tensor_records`, :func:`hook_warnings`,
 :data:`TORCH_VERSION`, :func:`instantiate_device_type_tests`) and the Dynamo-resetting test
 base are ``common_saved_tensors_hooks``'s.  :class:`TestCase` (``case.py``) adds the patch
@@ -20,6 +21,7 @@ from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
+    graph_caches_off,
     hook_nodes,
     name_primals_by_role,
     normalize_graph,
@@ -50,6 +52,7 @@ __all__ = [
     "TestCase",
     "UPSTREAM_FORM_ENV",
     "cpu_peak_of",
+    "graph_caches_off",
     "hook_nodes",
     "hook_warnings",
     "instantiate_device_type_tests",

@@ -16,6 +16,14 @@ class TestCase(_HooksTestCase):
 
     def setUp(self) -> None:
         super().setUp()
+        # Dynamo's test case listens to the structured trace (a NullHandler on
+        # ``torch.__trace``) so that torch's own tests build every payload: each graph of
+        # each stage printed again for a trace nobody reads, a few percent of a compile.
+        # Our tests read no trace; the one that checks our trace artifact attaches its own
+        # handler (test_inline_placement ``TestStructuredTrace``), which builds every payload.
+        from torch._logging._internal import trace_log
+
+        trace_log.removeHandler(getattr(self, "handler", None))
         if upstream_form_config_map() is not None:
             _use_upstream_form(self)  # torch's own sources hold the patches
         elif self.apply_patches:

@@ -3,6 +3,8 @@
 * :class:`AotEagerAndRecordGraphs` / :class:`InductorAndRecordGraphs` are backends that
   record the AOT forward and backward graphs (after hook inlining) on the aot_eager and
   inductor paths, with the AOT inputs named by the Dynamo input they stand for.
+* :func:`graph_caches_off` compiles every graph again (for tests that read what a compile
+  does), with the kernels' own cache left on.
 * :func:`normalize_graph` turns a graph into stable text (comments, file paths and device
   indices removed; ``# pack(x)`` / ``# unpack(x)`` marks on the nodes the inliner
   inserted): the tests' goldens (``torch_patches.testing._internal.common_saved_tensors_hooks``) and what
@@ -15,8 +17,9 @@ the test-only packages the test harness needs (``expecttest`` through
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,7 +71,8 @@ class InductorAndRecordGraphs:
     """inductor backend that records the AOT fw/bw graphs Inductor is given.
 
     ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run. The
-    compile caches are off while it compiles: a hit would skip the graphs it records.
+    graph caches are off while it compiles (:func:`graph_caches_off`): a hit would skip the
+    graphs it records.
     """
 
     def __init__(self) -> None:
@@ -89,8 +93,23 @@ class InductorAndRecordGraphs:
             return compile_fx_inner(g, inputs, **kwargs)
 
         # A cache hit would skip inner_compile and record nothing.
-        with torch._inductor.config.patch(force_disable_caches=True):
+        with graph_caches_off():
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+@contextlib.contextmanager
+def graph_caches_off() -> Iterator[None]:
+    """Compile every graph again: AOTAutograd's cache and Inductor's FX graph cache off, so
+    that a test sees the partitioner, the inliner, the planner and Inductor's passes run
+    (a hit, warm from an earlier test or run, skips them all). Inductor's kernel cache stays
+    on: a kernel built before, by the same source and flags, is loaded rather than built
+    again, which changes nothing a test reads (``force_disable_caches`` would compile every
+    kernel afresh in a new directory, a second of the C++ compiler each)."""
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
 
 
 #: ``gm.meta`` key of the recorders: {"names": primals name -> role, "order": roles in the
