@@ -12,6 +12,7 @@ pass, so the upstream code builds the same graphs as the patches.
 import ast
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -428,9 +429,11 @@ instantiate_device_type_tests(TestOurs, globals())
 class TestImportChecker(unittest.TestCase):
     @pytest.mark.slow  # an interpreter importing torch, twice
     def test_imports_as_a_fresh_interpreter_would(self):
-        # A module added after the forking interpreter started imports; one that needs what
-        # is not there names it; a commit changing a module the forking interpreter holds
-        # restarts it, one adding a file or changing a module it does not hold does not.
+        # A module added after the forking interpreters started imports; one that needs what
+        # is not there names it; a commit changing a module the server holds (imported with
+        # torch._dynamo) ends the server only, one changing a module the base holds
+        # (imported with torch) restarts both, one adding a file or changing a module
+        # neither holds ends neither.
         with tempfile.TemporaryDirectory() as root, ImportChecker(sys.executable, root, {**os.environ, "PYTHONPATH": root}) as imports:
 
             def write(rel, text):
@@ -441,14 +444,25 @@ class TestImportChecker(unittest.TestCase):
             write("pkg_under_check/__init__.py", "")
             self.assertIsNone(imports.check(["torch._functorch.config"]))
             server = imports.proc
-            self.assertIn("torch._dynamo", imports.loaded)
+            self.assertIn("torch._dynamo", imports.server_loaded)
+            self.assertNotIn("torch._dynamo", imports.loaded)
             write("pkg_under_check/added.py", "import torch\nVALUE = 1\n")
             write("pkg_under_check/needs_later.py", "from pkg_under_check.later import X\n")
             imports.before_commit(["pkg_under_check/added.py", "pkg_under_check/new.py"], root)
             self.assertIs(imports.proc, server)  # pkg_under_check was never imported by it
             self.assertIsNone(imports.check(["pkg_under_check.added"]))
             self.assertEqual(imports.check(["pkg_under_check.needs_later"]), "ModuleNotFoundError: No module named 'pkg_under_check.later'")
-            write("json/decoder.py", "")  # json.decoder: the forking interpreter holds it
+            server_only = next(m for m in sorted(imports.server_loaded - imports.loaded) if m.startswith("torch._dynamo."))
+            self.assertIn("torch", imports.loaded)
+            rel = server_only.replace(".", "/") + ".py"
+            write(rel, "")  # only where before_commit looks: torch's own module still imports
+            imports.before_commit([rel], root)
+            self.assertIs(imports.proc, server)
+            self.assertIsNone(imports.server_loaded)
+            self.assertIsNone(imports.check(["pkg_under_check.added"]))
+            self.assertIn(server_only, imports.server_loaded)
+            shutil.rmtree(os.path.join(root, "torch"))
+            write("json/decoder.py", "")  # json.decoder: the base holds it
             imports.before_commit(["json/decoder.py"], root)
             self.assertIsNone(imports.proc)
             os.remove(os.path.join(root, "json", "decoder.py"))
