@@ -544,6 +544,40 @@ class TestStructuredTrace(TestCase):
             self.assertIn(f"aot_{prefix}_saved_tensors_hooks:", payload)
         self.assertIn("torch.bfloat16", payload.split("aot_forward_graph_post_saved_tensors_hooks:")[1])
 
+    def test_graphs_printed_only_for_a_listener(self, device):
+        # The artifact's text is the graphs' readable code, printed as it is collected: a
+        # compile with no structured trace written (no handler on its logger; torch's lazy
+        # one, where no trace directory is set, removes itself at the first event) prints
+        # none of the inliner's graphs.
+        import sys
+        from unittest import mock
+
+        from torch._logging._internal import trace_log
+
+        from torch_patches._functorch._aot_autograd import inline_phases
+
+        printed_by_us = []
+        print_readable = torch.fx.GraphModule.print_readable
+
+        def recording(gm, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code is not inline_phases._log_graphs.__code__:
+                frame = frame.f_back
+            printed_by_us.append(frame is not None)
+            return print_readable(gm, *args, **kwargs)
+
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        rec = AotEagerAndRecordGraphs()
+        with (
+            mock.patch.object(trace_log, "handlers", []),
+            mock.patch.object(torch.fx.GraphModule, "print_readable", recording),
+            torch.autograd.graph.saved_tensors_hooks(*BF16),
+        ):
+            torch.compile(lambda x, w: (x @ w).sin() @ w, backend=rec)(x, w).sum().backward()
+        self.assertTrue(hook_nodes(rec.fw_graphs[0]), "not inlined")
+        self.assertNotIn(True, printed_by_us)
+
 
 def bf16_pack_fn(x):
     return x.to(torch.bfloat16)

@@ -669,15 +669,20 @@ def _log_graphs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config
     ``maybe_log_graph`` decides (``aot_config.enable_log``) and formats.
     """
     from torch._functorch._aot_autograd import graph_compile as gc
+    from torch._logging._internal import trace_log
 
     log_graph = getattr(gc, "maybe_log_graph", None)
     if log_graph is None or aot_config is None or not getattr(aot_config, "enable_log", False):
         return
+    # The artifact's text is printed as it is collected (the graph's readable code, four
+    # graphs a compile): only where a structured trace is written (as ``trace_structured``
+    # decides: a handler on its logger), else every compile would print them for nobody.
+    tracing = bool(trace_log.handlers)
     label = "pre saved_tensors_hooks inlining" if when == "pre" else "after saved_tensors_hooks inlining"
     for gm, which in ((fw_module, "forward"), (bw_module, "backward")):
         prefix = f"aot_{which}_graph_{when}_saved_tensors_hooks"
-        log_graph(gm, f"{which.capitalize()} graph {label}", aot_config, lambda p=prefix: p, out)
-    if when != "pre":
+        log_graph(gm, f"{which.capitalize()} graph {label}", aot_config, lambda p=prefix: p, out if tracing else None)
+    if tracing and when != "pre":
         torch._logging.trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": "aot_saved_tensors_hooks_graphs", "encoding": "string"},
