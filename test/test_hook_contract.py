@@ -196,6 +196,23 @@ def _bad_pairs():
     }
 
 
+class FusedQKVAttention(torch.nn.Module):
+    """Causal attention over q, k and v split from one projection: each a transposed view
+    with gaps, saved by SDPA's backward."""
+
+    dim, heads = 32, 4
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(self.dim, 3 * self.dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+
+
 class TestUnpackValidation(TestCase):
     def fn(self, x):
         # Saves the intermediate exp(sin(x)): hooked under every filtering mode.
@@ -259,16 +276,12 @@ class TestUnpackValidation(TestCase):
 
     def test_symbolic_strides_are_restored(self, device):
         # dynamic=True: a saved tensor's strides may be expressions of symbols the backward
-        # never receives (the bench's transformer: its attention's transposed q/k/v); they
+        # never receives (attention's transposed q/k/v, views of one fused projection); they
         # cannot be spelled there, so the stride order is restored instead. It was a
         # NameError at the backward's first call (aot_eager), a LoweringException (Inductor).
-        from torch_patches.bench.case import Case
-        from torch_patches.testing.models import build_model, example_input
-
-        case = Case(model="transformer", device=device, batch=64, dim=64, blocks=1)
         torch.manual_seed(0)
-        model = build_model(case).to(device)
-        x = example_input(case)
+        model = FusedQKVAttention().to(device)
+        x = torch.randn(2, 16, FusedQKVAttention.dim, device=device)
 
         def step(dynamic, backend="aot_eager"):
             torch._dynamo.reset()
@@ -281,7 +294,7 @@ class TestUnpackValidation(TestCase):
 
         static = step(False)
         self.assertGradsEqual(step(True), static, exact=True)
-        self.assertGradsEqual(step(True, "inductor"), step(False, "inductor"), atol=1e-4, rtol=1e-3)
+        self.assertGradsEqual(step(True, "inductor"), static, atol=1e-4, rtol=1e-3)
 
     def test_python_hooks_get_strides_restored_inductor(self, device):
         # Python hooks (not inlineable) returning a compact copy of a view with gaps (q/k of
