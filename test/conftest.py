@@ -10,7 +10,9 @@ pool of compile workers per process is started, and paid for, by every fresh pro
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
@@ -111,6 +113,63 @@ def pytest_collection_finish(session) -> None:  # noqa: ANN001 - pytest's hook
     if gc.get_threshold() == _GC_THRESHOLD:  # a worker (or a run without xdist)
         gc.collect()
         gc.freeze()
+
+
+#: Seconds each test of a second or more took (setup, call and teardown), by node id:
+#: ``--store-durations`` writes it; workers run the longest first.
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+#: Tests shorter than this are not recorded: their order among themselves is kept.
+_RECORDED_FROM = 1.0
+
+
+def pytest_addoption(parser) -> None:  # noqa: ANN001 - pytest's hook
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"record the run's tests of {_RECORDED_FROM:g} s or more in test/durations.json (the order workers run them in)",
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest's hook
+    """Under xdist, each worker runs the longest tests first (as recorded in
+    ``durations.json``; the others after them, in file order): xdist hands each worker its
+    next tests as it finishes, so the run ends on short tests and the workers end together,
+    where a long test scheduled last kept one core busy alone for up to its whole length."""
+    if not hasattr(config, "workerinput"):
+        return
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -recorded.get(item.nodeid.partition("@")[0], 0.0))
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest's hook
+    # xdist's controller receives every worker's reports; a worker's own are not recorded.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        nodeid = report.nodeid.partition("@")[0]
+        _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:  # noqa: ANN001 - pytest's hook
+    config = session.config
+    if not config.getoption("--store-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    root = pathlib.Path(str(config.rootpath))
+    for nodeid, seconds in _durations.items():  # tests this run did not run keep their entries
+        if seconds >= _RECORDED_FROM:
+            recorded[nodeid] = round(seconds, 1)
+        else:
+            recorded.pop(nodeid, None)
+    kept = {k: v for k, v in sorted(recorded.items()) if (root / k.partition("::")[0]).exists()}
+    DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook

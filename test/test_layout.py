@@ -222,6 +222,22 @@ class TestLayout(TestCase):
             self.skipTest("not a git checkout")
         self.assertEqual([f for f in tracked.stdout.splitlines() if BINARY.search(f)], [])
 
+    def test_recorded_durations_name_tests_that_exist(self):
+        # test/durations.json (`--store-durations`, test/conftest.py): the order workers run
+        # tests in. A renamed test only loses its place; a file that is gone, or a value that
+        # is not a duration, is an entry to rewrite.
+        import json
+
+        with open(os.path.join(ROOT, "test", "durations.json")) as f:
+            recorded = json.load(f)
+        self.assertTrue(recorded)
+        for nodeid, seconds in recorded.items():
+            path, sep, name = nodeid.partition("::")
+            self.assertTrue(sep and name and os.path.exists(os.path.join(ROOT, path)), nodeid)
+            self.assertIsInstance(seconds, float, nodeid)
+            self.assertGreaterEqual(seconds, 1.0, nodeid)
+        self.assertEqual(list(recorded), sorted(recorded))
+
     def test_no_import_loops(self):
         loops = [sorted(c) for c in _loops(_imports(_modules())) if c not in ALLOWED_LOOPS]
         self.assertEqual(loops, [])
