@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._logging._internal import trace_log
 
 from torch_patches import _logging as tp_logging, config
 from torch_patches._errors import SavedTensorsHookConfigError
@@ -535,7 +536,10 @@ def _rewrite(
     placement = config.hook_placement
     if placement not in ("use", "boundary"):
         raise SavedTensorsHookConfigError(f"torch_patches.config.hook_placement must be 'use' or 'boundary', got {placement!r}")
-    structured: list[str] = []
+    # The artifact's text is the graphs' readable code, printed as it is collected: only
+    # where a structured trace is written (as ``trace_structured`` decides: a handler on
+    # its logger), decided once for the graphs before and after.
+    structured: list[str] | None = [] if trace_log.handlers else None
     _log_graphs(fw_module, bw_module, graphs.aot_config, "pre", structured)
     graph_surgery.merge_aliases(fw_module, bw_inputs, graphs.num_inner_fwd_outputs, aliases)
     fw_order = {n: i for i, n in enumerate(fw_g.nodes)}
@@ -661,28 +665,24 @@ def _device_bytes(packed: Any, device: torch.device) -> int:
     return total
 
 
-def _log_graphs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config: Any, when: str, out: list[str]) -> None:
+def _log_graphs(fw_module: fx.GraphModule, bw_module: fx.GraphModule, aot_config: Any, when: str, out: list[str] | None) -> None:
     """Upstream's logs of the graphs before (``when="pre"``) and after inlining.
 
     As upstream's inliner: ``aot_graphs`` log lines and, after inlining, one structured-trace
     artifact ``aot_saved_tensors_hooks_graphs`` (tlparse) holding the four graphs. Upstream's
-    ``maybe_log_graph`` decides (``aot_config.enable_log``) and formats.
+    ``maybe_log_graph`` decides (``aot_config.enable_log``) and formats. ``out`` collects the
+    artifact's text; ``None`` where no structured trace is written.
     """
     from torch._functorch._aot_autograd import graph_compile as gc
-    from torch._logging._internal import trace_log
 
     log_graph = getattr(gc, "maybe_log_graph", None)
     if log_graph is None or aot_config is None or not getattr(aot_config, "enable_log", False):
         return
-    # The artifact's text is printed as it is collected (the graph's readable code, four
-    # graphs a compile): only where a structured trace is written (as ``trace_structured``
-    # decides: a handler on its logger), else every compile would print them for nobody.
-    tracing = bool(trace_log.handlers)
     label = "pre saved_tensors_hooks inlining" if when == "pre" else "after saved_tensors_hooks inlining"
     for gm, which in ((fw_module, "forward"), (bw_module, "backward")):
         prefix = f"aot_{which}_graph_{when}_saved_tensors_hooks"
-        log_graph(gm, f"{which.capitalize()} graph {label}", aot_config, lambda p=prefix: p, out if tracing else None)
-    if tracing and when != "pre":
+        log_graph(gm, f"{which.capitalize()} graph {label}", aot_config, lambda p=prefix: p, out)
+    if out is not None and when != "pre":
         torch._logging.trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": "aot_saved_tensors_hooks_graphs", "encoding": "string"},
