@@ -144,35 +144,36 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pyte
     items.sort(key=lambda item: -recorded.get(item.nodeid.partition("@")[0], 0.0))
 
 
-_durations: dict[str, float] = {}
+class _DurationRecorder:
+    """``--store-durations``: each test's setup, call and teardown, summed, written to
+    ``durations.json`` at the end (in xdist's controller, which receives every worker's
+    reports, or in a run without workers)."""
 
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        self.seconds: dict[str, float] = {}
 
-def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest's hook
-    # xdist's controller receives every worker's reports; a worker's own are not recorded.
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001 - pytest's hook
         nodeid = report.nodeid.partition("@")[0]
-        _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
 
-
-def pytest_sessionfinish(session) -> None:  # noqa: ANN001 - pytest's hook
-    config = session.config
-    if not config.getoption("--store-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    try:
-        recorded = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        recorded = {}
-    root = pathlib.Path(str(config.rootpath))
-    for nodeid, seconds in _durations.items():  # tests this run did not run keep their entries
-        if seconds >= _RECORDED_FROM:
-            recorded[nodeid] = round(seconds, 1)
-        else:
-            recorded.pop(nodeid, None)
-    kept = {k: v for k, v in sorted(recorded.items()) if (root / k.partition("::")[0]).exists()}
-    DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
+    def pytest_sessionfinish(self) -> None:
+        try:
+            recorded = json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            recorded = {}
+        for nodeid, seconds in self.seconds.items():  # tests this run did not run keep their entries
+            if seconds >= _RECORDED_FROM:
+                recorded[nodeid] = round(seconds, 1)
+            else:
+                recorded.pop(nodeid, None)
+        kept = {k: v for k, v in sorted(recorded.items()) if (self.root / k.partition("::")[0]).exists()}
+        DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
+    if config.getoption("--store-durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_DurationRecorder(pathlib.Path(str(config.rootpath))))
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller runs no test: its workers probe
     _one_collection_at_the_end(config)
