@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import threading
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
@@ -27,27 +28,45 @@ if _WORKERS > 1:
     torch.set_num_threads(_threads)
 
 
-def _share_the_vec_isa_probe() -> None:
-    """Inductor probes which SIMD instruction sets the C++ compiler can build for by
-    compiling and loading a program per set, once per process and cache directory: about
-    three seconds of every fresh process the tests start with a cache directory of its own
-    (the compile-cache, hook-identity and bench workers: most of the slow tier's processes).
-    Probed once here, in the default cache directory; where every set the CPU reports builds,
-    ``TORCHINDUCTOR_VEC_ISA_OK=1`` tells the subprocesses so (where one does not, they probe
-    as before)."""
+def _trust_the_cpus_vector_isa() -> None:
+    """Inductor checks that the C++ compiler builds and loads code for each SIMD instruction
+    set the CPU reports, compiling a program that includes ATen's vector headers per set
+    (about 3 s each cold, one after another, once per process and cache directory). The
+    tests take the CPU's report, as ``TORCHINDUCTOR_VEC_ISA_OK=1`` tells Inductor to (the
+    workers and every subprocess they start): a compiler that cannot build for the CPU fails
+    the first Inductor test, naming its flags, rather than a probe falling back quietly. Set
+    the variable beforehand (any other value: Inductor's probe) to choose otherwise."""
     if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
         return
-    try:
-        import torch._inductor.config as inductor_config
-        from torch._inductor import cpu_vec_isa
+    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+    import torch._inductor.config as inductor_config
 
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            claimed = [type(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
-        built = [type(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    except Exception:  # noqa: BLE001 - another release's internals: the subprocesses probe
+    inductor_config.cpp.vec_isa_ok = True  # read from the environment at its import
+
+
+#: The checks Inductor still makes with the report taken (whether AVX-512 BF16 and AMX
+#: tiles build: small programs, about 0.6 s each cold), run while the test modules are
+#: collected (:func:`pytest_collection_finish` waits for them): the compiler's process and
+#: the collection's imports use a core each.
+_VEC_ISA_CHECKS: list[threading.Thread] = []
+
+
+def _check_vec_isa_during_collection() -> None:
+    try:
+        # Imported here, in the main thread: the checks import nothing more.
+        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+    except ImportError:  # another release's layout: the first compile checks
         return
-    if claimed and claimed == built:
-        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+
+    def check() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - another release's internals: the first compile checks
+            pass
+
+    thread = threading.Thread(target=check, name="vec-isa-checks", daemon=True)
+    thread.start()
+    _VEC_ISA_CHECKS.append(thread)
 
 
 def pytest_runtest_setup(item) -> None:  # noqa: ANN001 - pytest's hook
@@ -110,6 +129,8 @@ def _fewer_collections() -> None:
 def pytest_collection_finish(session) -> None:  # noqa: ANN001 - pytest's hook
     import gc
 
+    while _VEC_ISA_CHECKS:
+        _VEC_ISA_CHECKS.pop().join()
     if gc.get_threshold() == _GC_THRESHOLD:  # a worker (or a run without xdist)
         gc.collect()
         gc.freeze()
@@ -175,8 +196,9 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
     if config.getoption("--store-durations") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_DurationRecorder(pathlib.Path(str(config.rootpath))))
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return  # xdist's controller runs no test: its workers probe
+        return  # xdist's controller runs no test: its workers set up their own
     _one_collection_at_the_end(config)
-    _share_the_vec_isa_probe()
+    _trust_the_cpus_vector_isa()
+    _check_vec_isa_during_collection()
     _no_guard_latency_probe()
     _fewer_collections()
