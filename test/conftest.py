@@ -143,6 +143,18 @@ DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 _RECORDED_FROM = 1.0
 
 
+def _recorded() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):  # no file yet, or one to rewrite
+        return {}
+
+
+def _test_id(nodeid: str) -> str:
+    """A test's node id without xdist's ``@group`` suffix (the same test in any group)."""
+    return nodeid.partition("@")[0]
+
+
 def pytest_addoption(parser) -> None:  # noqa: ANN001 - pytest's hook
     parser.addoption(
         "--store-durations",
@@ -158,11 +170,8 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pyte
     where a long test scheduled last kept one core busy alone for up to its whole length."""
     if not hasattr(config, "workerinput"):
         return
-    try:
-        recorded = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        return
-    items.sort(key=lambda item: -recorded.get(item.nodeid.partition("@")[0], 0.0))
+    recorded = _recorded()
+    items.sort(key=lambda item: -recorded.get(_test_id(item.nodeid), 0.0))
 
 
 class _DurationRecorder:
@@ -175,14 +184,11 @@ class _DurationRecorder:
         self.seconds: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001 - pytest's hook
-        nodeid = report.nodeid.partition("@")[0]
+        nodeid = _test_id(report.nodeid)
         self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self) -> None:
-        try:
-            recorded = json.loads(DURATIONS.read_text())
-        except (OSError, ValueError):
-            recorded = {}
+        recorded = _recorded()
         for nodeid, seconds in self.seconds.items():  # tests this run did not run keep their entries
             if seconds >= _RECORDED_FROM:
                 recorded[nodeid] = round(seconds, 1)
