@@ -45,7 +45,7 @@ from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
-from torch_patches._functorch._aot_autograd.activation_budget.working_set import unplanned_peak
+from torch_patches._functorch._aot_autograd.activation_budget.step_peak import unplanned_peak
 from torch_patches._functorch._aot_autograd.compile_facts import PartitionOffer
 from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, Bounds, DecidedBy, SavedTensorRecord
 

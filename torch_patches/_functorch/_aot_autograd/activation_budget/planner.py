@@ -40,8 +40,8 @@ from torch_patches._functorch._aot_autograd.activation_budget.solver import (
     _unpenalized,
     greedy_fit,
 )
+from torch_patches._functorch._aot_autograd.activation_budget.step_peak import predicted_peak
 from torch_patches._functorch._aot_autograd.activation_budget.summary import OFFLOADS, summarize
-from torch_patches._functorch._aot_autograd.activation_budget.working_set import predicted_peak
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 from torch_patches._functorch._aot_autograd.saved_tensor_records import (
     ALIAS,
@@ -231,7 +231,7 @@ def plan(
 ) -> Plan:
     """The plan for one budget pair: its choices (:func:`build_choices`), the plan chosen
     among those fitted to its budget (:func:`choose`), and the step's peak it predicts with
-    the graphs' own tensors (:func:`.working_set.predicted_peak`).
+    the graphs' own tensors (:func:`.step_peak.predicted_peak`).
 
     ``members``: every saved tensor in the pair's scope; ``plannable``: those the hooks may
     see (dtype policy, filtering mode, unused ones excluded), without ``aliases`` (saved

@@ -1,5 +1,4 @@
-"""What a compiled graph pair holds besides its saved tensors, and the step's peak a plan
-predicts from it.
+"""What a compiled graph pair holds besides its saved tensors.
 
 A plan bounds the saved tensors; the step's peak is those plus what the graphs hold at the
 same time: in the backward the incoming gradients (tangents, zeros for outputs the caller
@@ -17,15 +16,15 @@ reads them off the graphs (compile time, pure fx):
   Under Inductor a pointwise op all of whose readers are pointwise ops or reductions is
   fused into them and never materialised (:func:`materialized`): counted as nothing, and
   what it reads stays alive until the kernel it is fused into has run (:func:`kernel_ends`).
-* :func:`predicted_peak`: the most a fitted plan's saved storages and the graphs' own
-  tensors hold at once, forward and backward, with where.
+
+The step's peak a plan predicts from them is :mod:`.step_peak`'s.
 """
 
 from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -34,7 +33,7 @@ import torch.fx as fx
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient, nbytes_of
 
-__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "materialized", "predicted_peak", "unplanned_peak"]
+__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "kernels_reading", "materialized", "memory_order", "pointwise"]
 
 
 def _tagged(node: fx.Node, *tags: Any) -> bool:
@@ -42,7 +41,8 @@ def _tagged(node: fx.Node, *tags: Any) -> bool:
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and any(t in target.tags for t in tags)
 
 
-def _pointwise(node: fx.Node) -> bool:
+def pointwise(node: fx.Node) -> bool:
+    """Whether ``node`` is an op torch tags pointwise."""
     return _tagged(node, torch.Tag.pointwise)
 
 
@@ -135,18 +135,20 @@ def _runs_in_place(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and not isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def materialized(node: fx.Node) -> bool:
+def materialized(node: fx.Node, packed: bool = False) -> bool:
     """Whether ``node``'s output is a buffer of its own (not a view, not fused away): an op
     that is not pointwise, or a pointwise one read (through views) by something Inductor
     does not fuse it into: not a pointwise op, a reduction or an indexed load (a matmul,
-    attention, the graph's output)."""
+    attention, the graph's output).  ``packed``: as a saved tensor packed into a stored
+    form, which the graph returns in its place (so its output reads it in the pack's
+    kernel)."""
     if node.op == "placeholder":
         return True
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor) or _is_view(node):
         return False
     if _fused_into_addmm(node):
         return False
-    if not _pointwise(node) or _addmm_add(node):
+    if not pointwise(node) or _addmm_add(node):
         return True
     stack, seen = list(node.users), set()
     while stack:
@@ -156,7 +158,7 @@ def materialized(node: fx.Node) -> bool:
         seen.add(user)
         if user.op == "call_function" and _is_view(user):
             stack.extend(user.users)
-        elif not _fuses_pointwise(user):
+        elif not _fuses_pointwise(user) and not (packed and user.op == "output"):
             return True
     return False
 
@@ -194,17 +196,30 @@ def _kernel_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _reused_input(
-    node: fx.Node, nbytes: int, pos: dict[fx.Node, int], free_at: dict[fx.Node, int], ends: list[int], donated: set[fx.Node]
+    node: fx.Node,
+    nbytes: int,
+    pos: dict[fx.Node, int],
+    free_at: dict[fx.Node, int],
+    ends: list[int],
+    donated: set[fx.Node],
+    readers: dict[fx.Node, set[fx.Node]] | None = None,
 ) -> fx.Node | None:
     """The input buffer a pointwise kernel writes its output over (Inductor's in-place
     buffers): one of its kernel's inputs of the same bytes, made in the graph (or donated to
     it), freed right after this kernel and not yet taken over; None where there is none (an
-    extern kernel, a reduction, or every input lives on)."""
-    if node.op != "call_function" or not _pointwise(node) or _addmm_add(node):
+    extern kernel, a reduction, or every input lives on).  ``readers``
+    (:func:`kernels_reading`), where given: only an input this node's kernel alone reads
+    (a fused kernel with two nodes reading the input writes neither over it)."""
+    if node.op != "call_function" or not pointwise(node) or _addmm_add(node):
         return None
     here = ends[pos[node]] + 1
     for root in _kernel_inputs(node):
-        if (root.op != "placeholder" or root in donated) and free_at.get(root) == here and nbytes_of(root) == nbytes:
+        if (
+            (root.op != "placeholder" or root in donated)
+            and free_at.get(root) == here
+            and nbytes_of(root) == nbytes
+            and (readers is None or readers.get(root) == {node})
+        ):
             return root
     return None
 
@@ -232,7 +247,9 @@ def held_bytes(
     donated: Iterable[fx.Node] = (),
 ) -> list[int]:
     """Bytes of ``graph``'s own tensors alive right after each node (see the module);
-    ``excluded``: nodes whose storages are not counted (the saved tensors); ``inputs``:
+    ``excluded``: nodes whose storages are not counted (the saved tensors: the plan's; one a
+    pointwise kernel writes over an input only that kernel reads takes over the input's
+    bytes, which stop counting where it is made); ``inputs``:
     whether the graph's inputs count (a backward's incoming gradients do, to the graph's end:
     autograd passes them to the compiled backward in arguments it holds until the call
     returns; a forward's inputs were held by the caller before the step); ``dropped``:
@@ -246,6 +263,7 @@ def held_bytes(
     dropped, donated = set(dropped), set(donated)
     end = len(nodes)
     ends = kernel_ends(graph, order)
+    readers = kernels_reading(graph) if any(n.op == "call_function" for n in skip) else {}
     last: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
@@ -254,6 +272,14 @@ def held_bytes(
     diff = [0] * (end + 1)
     free_at: dict[fx.Node, int] = {}
     for n in nodes:
+        if n in skip and materialized(n):
+            # Not counted here, but it may be written in place of an input that dies in
+            # its kernel: that input's bytes become its own from there.
+            reused = _reused_input(n, nbytes_of(n), pos, free_at, ends, donated, readers)
+            if reused is not None:
+                diff[free_at.pop(reused)] += nbytes_of(n)
+                diff[pos[n]] -= nbytes_of(n)
+            continue
         if n in skip or not materialized(n) or (n.op == "placeholder" and not inputs):
             continue
         nbytes = nbytes_of(n)
@@ -275,7 +301,7 @@ def held_bytes(
     return out
 
 
-def _kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
+def kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     """Per storage root, the nodes whose kernels read it (a fused reader's kernel is that of
     what reads it; the output node reads what the graph returns)."""
     memo: dict[fx.Node, set[fx.Node]] = {}
@@ -306,7 +332,7 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
     pos = {n: i for i, n in enumerate(nodes)}
     skip = {_root(n) for n in excluded}
     dropped = set(dropped)
-    readers = _kernels_reading(graph)
+    readers = kernels_reading(graph)
     remaining = {r: len(k) for r, k in readers.items()}
     freeable = {r: nbytes_of(r) for r in readers if r not in skip and materialized(r) and (r.op != "placeholder" or r in dropped)}
     reads: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
@@ -338,144 +364,3 @@ def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Ite
             if indegree[u] == 0:
                 ready.append(u)
     return out if len(out) == len(nodes) else nodes
-
-
-def predicted_peak(
-    plan: Any, fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node], donated: Set[fx.Node] = frozenset()
-) -> tuple[int, str]:
-    """The most ``plan``'s saved storages and the graphs' own tensors hold at once, and
-    where (in words).  ``saved``: the forward's saved tensors, ``bw_saved``: their backward
-    inputs; ``donated``: saved graph inputs the plan keeps that the backward writes their
-    gradients over (``donated_inputs``).  In the forward a planned storage is full until its
-    last forward use and in its stored form after; a storage the plan cannot store otherwise
-    is full from where it is made.  In the backward each storage is as the plan's timeline
-    has it."""
-    fw_nodes = list(fw_g.nodes)
-    fw_pos = {n: i for i, n in enumerate(fw_nodes)}
-    fw_held = held_bytes(fw_g, saved, inputs=False)
-    diff = [0] * (len(fw_nodes) + 1)
-    planned = set()
-    for c in plan.choices:
-        roots = {act_inputs.storage_root(m) for m in c.members}
-        planned |= roots
-        born = min(fw_pos[r] for r in roots)
-        used = max([fw_pos[u] for m in c.members for u in m.users if u.op != "output"] + [born])
-        diff[born] += c.nbytes
-        diff[used + 1] += c.chosen.device_bytes - c.nbytes
-    for root in {act_inputs.storage_root(s) for s in saved} - planned:
-        if root.op != "placeholder":  # graph inputs are held by the caller before the step
-            diff[fw_pos[root]] += nbytes_of(root)
-    best, where, total = -1, "", 0
-    for i, d in enumerate(diff[: len(fw_nodes)]):
-        total += d
-        if total + fw_held[i] > best:
-            best, where = total + fw_held[i], f"forward node {fw_nodes[i].name}"
-    # A storage the forward makes and returns once, as a saved tensor, reaches the backward
-    # donated; one it also returns as an output (or a view of it), saves twice, or takes as
-    # an input (an activation another graph made), does not.
-    returned = (
-        collections.Counter(act_inputs.storage_root(a) for a in fw_nodes[-1].args[0] if isinstance(a, fx.Node))
-        if fw_nodes and fw_nodes[-1].op == "output"
-        else collections.Counter()
-    )
-    # Inductor runs the backward in the graph's order or one it finds to hold less
-    # (reorder_for_peak_memory): the lower of the two.
-    dropped = dropped_tangents(bw_g)
-    orders = [None, memory_order(bw_g, (), dropped | set(bw_saved))]
-    peak, at = min((_backward_peak(plan, bw_g, bw_saved, returned, dropped, order, donated) for order in orders), key=lambda t: t[0])
-    return (peak, at) if peak > best else (best, where)
-
-
-def _backward_peak(
-    plan: Any,
-    bw_g: fx.Graph,
-    bw_saved: list[fx.Node],
-    returned: collections.Counter,
-    dropped: set[fx.Node],
-    order: list[fx.Node] | None,
-    donated_inputs: Set[fx.Node] = frozenset(),
-) -> tuple[int, str]:
-    """The backward's part of :func:`predicted_peak`, its nodes run in ``order`` (default the
-    graph's): a storage's span, in the graph's positions on the plan, runs from the first to
-    the last kernel reading it in that order."""
-    graph_nodes = list(bw_g.nodes)
-    bw_nodes = graph_nodes if order is None else order
-    rank = {n: i for i, n in enumerate(bw_nodes)}
-    bw_held = held_bytes(bw_g, bw_saved, dropped=dropped, order=order)
-    bw_ends = kernel_ends(bw_g, order)
-    by_name = {b.name: b for b in bw_saved}
-    readers = _kernels_reading(bw_g) if order is not None else {}
-
-    def span_of(members: Any, span: Any) -> tuple[int, int]:
-        if order is None:
-            return span.first, span.last
-        ranks = [rank[k] for m in members if m.name in by_name for k in readers.get(by_name[m.name], ()) if k in rank]
-        if ranks:
-            return min(ranks), max(ranks)
-        at = lambda i: rank[graph_nodes[i]] if i < len(graph_nodes) else len(graph_nodes)  # noqa: E731
-        return at(span.first), at(span.last)
-
-    def freed(last: int, nbytes: int = 0) -> int:
-        """After the kernel of its last reader; for a donated storage (``nbytes`` given)
-        whose last reader's kernel is a pointwise one with an output of its bytes, at it:
-        Inductor writes the output in place of the dying input."""
-        if last >= len(bw_nodes):
-            return len(bw_nodes)
-        kernel = bw_ends[last]
-        node = bw_nodes[kernel]
-        if nbytes and _pointwise(node) and materialized(node) and nbytes_of(node) == nbytes:
-            return kernel
-        return min(len(bw_nodes), kernel + 1)
-
-    diff = [0] * (len(bw_nodes) + 1)
-    for c in plan.choices:
-        first, last = span_of(c.members, c.span)
-        diff[0] += c.chosen.device_bytes
-        first = min(first, len(bw_nodes))
-        diff[first] += c.nbytes
-        # A stored form (bf16, int8, fp8) is read by its unpack's kernel, which writes the
-        # full-size tensor beside it: freed after it.
-        diff[min(first + 1, len(bw_nodes)) if c.chosen.device_bytes not in (0, c.nbytes) else first] -= c.chosen.device_bytes
-        roots = [(m, act_inputs.storage_root(m)) for m in c.members]
-        donated = all(returned[r] == 1 and (r.op != "placeholder" or m in donated_inputs) for m, r in roots)
-        diff[freed(last, c.nbytes if donated else 0)] -= c.nbytes
-    for span, nbytes in plan.fixed:
-        diff[0] += nbytes
-        diff[freed(span_of((), span)[1])] -= nbytes
-    best, where, total = -1, "", plan.ahead_bytes
-    for i, d in enumerate(diff[: len(bw_nodes)]):
-        total += d
-        if total + bw_held[i] > best:
-            best, where = total + bw_held[i], f"backward node {bw_nodes[i].name}"
-    return best, where
-
-
-def unplanned_peak(fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_saved: list[fx.Node]) -> tuple[int, int, str]:
-    """The step's peak of a partition as it is, without a plan: every saved tensor held
-    from where the forward makes it to its last backward use (the compiled backward takes
-    them in a list it empties); with the graphs' own tensors as :func:`predicted_peak`
-    counts them.  Returns the peak, the bytes the saved tensors hold at the forward's end
-    (storages once, graph inputs not counted), and where the peak is, in words."""
-    fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
-    fw_held = held_bytes(fw_g, (), inputs=False)
-    # Saved graph inputs (parameters, the batch) are the caller's before the step.
-    by_name = {n.name: n for n in saved}
-    held_by_caller = [b for b in bw_saved if act_inputs.storage_root(by_name.get(b.name, b)).op == "placeholder"]
-    dropped = dropped_tangents(bw_g) | set(bw_saved)
-    best, where = -1, ""
-    for i, held in enumerate(fw_held):
-        if held > best:
-            best, where = held, f"forward node {fw_nodes[i].name}"
-    backward = []
-    for order in (None, memory_order(bw_g, held_by_caller, dropped)):
-        bw_held = held_bytes(bw_g, held_by_caller, dropped=dropped, order=order, donated=set(bw_saved) - set(held_by_caller))
-        top = max(range(len(bw_held)), key=bw_held.__getitem__, default=None)
-        if top is not None:
-            backward.append((bw_held[top], f"backward node {(order or bw_nodes)[top].name}"))
-    if backward:
-        peak, at = min(backward)
-        if peak > best:
-            best, where = peak, at
-    roots = {act_inputs.storage_root(s) for s in saved}
-    at_end = sum(nbytes_of(r) for r in roots if r.op != "placeholder")
-    return best, at_end, where
