@@ -202,27 +202,6 @@ class TestPredictedPeak(TestCase):
                     self.assert_predicted_within_a_tenth(step, device)
 
     @pytest.mark.slow
-    def test_thin_mlp_predicted_within_a_tenth(self, device: str) -> None:
-        # The step peaks at the forward's end at 0.5: one fused kernel reads the last block's
-        # input and the up projection's output, and writes the input's stored form and the
-        # loss's kept tensor beside them (predicted 13% under where a pack's stored form only
-        # appeared once its input was freed).
-        torch.manual_seed(0)
-        model = _ThinMLP().to(device)
-        x = torch.randn(512, 2048, device=device)
-        for fraction in (0.5, 0.3):
-            with self.subTest(fraction=fraction):
-                torch._dynamo.reset()
-                compiled = torch.compile(model)
-
-                def step() -> None:
-                    compiled(x).backward()
-                    model.zero_grad(set_to_none=True)
-
-                with torch_patches.config.patch(activation_memory_budget=fraction):
-                    self.assert_predicted_within_a_tenth(step, device)
-
-    @pytest.mark.slow
     def test_loss_in_the_graph_predicted_within_a_tenth(self, device: str) -> None:
         # The loss compiled with the model (the bench's call), the logits most of what the
         # step holds: Inductor writes the logits' gradient in place of the saved logits,
@@ -327,6 +306,7 @@ class _ThinMLP(torch.nn.Module):
 
 class TestNeverAboveNoBudget(TestCase):
     def peak(self, device: str, fraction: float | None, stock: bool = False) -> int:
+        """A warm step's measured peak; the plans it compiled are left in ``self.plans``."""
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = _ThinMLP().to(device)
@@ -344,9 +324,12 @@ class TestNeverAboveNoBudget(TestCase):
             model.zero_grad(set_to_none=True)
 
         with knobs:
+            with saved_tensor_records() as found:
+                step()
             step()
-            step()
-            return peak_bytes(step, device)
+            measured = peak_bytes(step, device)
+        self.plans = [p for g in found for p in g.plans]
+        return measured
 
     @pytest.mark.slow
     def test_a_budget_never_raises_the_peak(self, device: str) -> None:
@@ -360,7 +343,15 @@ class TestNeverAboveNoBudget(TestCase):
                 torch_patches.apply()
             for fraction in (0.5, 0.3):
                 with self.subTest(fraction=fraction):
-                    self.assertLessEqual(self.peak(device, fraction), none)
+                    measured = self.peak(device, fraction)
+                    self.assertLessEqual(measured, none)
+                    # Predicted within a tenth: at 0.5 the step peaks at the forward's end, in
+                    # one fused kernel reading the last block's input and the up projection's
+                    # output and writing the input's stored form and the loss's kept tensor
+                    # beside them (13% under where a stored form only appeared once its full
+                    # tensor was freed).
+                    (plan,) = self.plans
+                    self.assertLess(abs(plan.predicted_peak_bytes - measured), 0.1 * measured, (plan.predicted_peak_at, measured))
 
 
 instantiate_device_type_tests(TestHeldBytes, globals())
