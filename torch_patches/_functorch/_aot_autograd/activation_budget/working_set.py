@@ -274,11 +274,15 @@ def held_bytes(
     for n in nodes:
         if n in skip and materialized(n):
             # Not counted here, but it may be written in place of an input that dies in
-            # its kernel: that input's bytes become its own from there.
-            reused = _reused_input(n, nbytes_of(n), pos, free_at, ends, donated, readers)
+            # its kernel: that input's bytes become its own from there.  Only an input its
+            # kernel alone reads (the thin MLP's forward end keeps a buffer two nodes of one
+            # kernel read); the graph's own tensors keep the plain rule, which the
+            # backward's measured peaks follow (the stricter one over-predicted them).
+            nbytes = nbytes_of(n)
+            reused = _reused_input(n, nbytes, pos, free_at, ends, donated, readers)
             if reused is not None:
-                diff[free_at.pop(reused)] += nbytes_of(n)
-                diff[pos[n]] -= nbytes_of(n)
+                diff[free_at.pop(reused)] += nbytes
+                diff[pos[n]] -= nbytes
             continue
         if n in skip or not materialized(n) or (n.op == "placeholder" and not inputs):
             continue
