@@ -49,8 +49,8 @@ def _scalar_kernels_in_the_fast_tier(config) -> None:  # noqa: ANN001 - pytest's
     Inductor's C++ kernels scalar: ``TORCHINDUCTOR_VEC_ISA_OK=0`` (Inductor takes no SIMD
     instruction set, and probes none), for the workers and every subprocess they start. Every
     vectorized kernel file instantiates ATen's ``Vectorized`` templates again, which the
-    precompiled header cannot hold: about 0.4 s of each build's 1.1, a seventh of the tier's
-    CPU. No code of torch_patches emits or changes a kernel's loops (its Inductor patches are
+    precompiled header cannot hold: about 0.4 s of each build's 1.1, 12% of the tier's test
+    time (two runs of each, side by side). No code of torch_patches emits or changes a kernel's loops (its Inductor patches are
     the graphs it is given, buffer reuse and cache keys), so the fast tier checks the same
     things; the whole suite (CI's torch 2.13 run) builds the kernels vectorized, as users get
     them. Set the variable beforehand to choose otherwise (``1``: the CPU's report, vectorized)."""
