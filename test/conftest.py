@@ -28,38 +28,32 @@ if _WORKERS > 1:
     torch.set_num_threads(_threads)
 
 
-def _trust_the_cpus_vector_isa() -> None:
+def _choose_the_vector_isa(config) -> None:  # noqa: ANN001 - pytest's config
     """Inductor checks that the C++ compiler builds and loads code for each SIMD instruction
     set the CPU reports, compiling a program that includes ATen's vector headers per set
     (about 3 s each cold, one after another, once per process and cache directory). The
     tests take the CPU's report, as ``TORCHINDUCTOR_VEC_ISA_OK=1`` tells Inductor to (the
     workers and every subprocess they start): a compiler that cannot build for the CPU fails
-    the first Inductor test, naming its flags, rather than a probe falling back quietly. Set
-    the variable beforehand (any other value: Inductor's probe) to choose otherwise."""
+    the first Inductor test, naming its flags, rather than a probe falling back quietly.
+
+    A run that leaves the slow tests out (the fast tier, ``-m "not slow"``) builds the
+    kernels scalar instead, ``TORCHINDUCTOR_VEC_ISA_OK=0`` (no instruction set, none probed).
+    Every vectorized kernel file instantiates ATen's ``Vectorized`` templates again, which
+    the precompiled header cannot hold: about 0.4 s of each build's 1.1, 12% of the tier's
+    test time (two runs of each, side by side). No code of torch_patches emits or changes a
+    kernel's loops (its Inductor patches are the graphs it is given, buffer reuse and cache
+    keys), so the fast tier checks the same things; the whole suite (CI's torch 2.13 run)
+    builds the kernels vectorized, as users get them.
+
+    Set the variable beforehand to choose otherwise (``1`` in the fast tier: vectorized; any
+    other value: Inductor's probe)."""
     if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
         return
-    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+    vectorized = "not slow" not in (config.getoption("markexpr", "") or "")
+    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1" if vectorized else "0"
     import torch._inductor.config as inductor_config
 
-    inductor_config.cpp.vec_isa_ok = True  # read from the environment at its import
-
-
-def _scalar_kernels_in_the_fast_tier(config) -> None:  # noqa: ANN001 - pytest's config
-    """A run that leaves the slow tests out (the fast tier, ``-m "not slow"``) builds
-    Inductor's C++ kernels scalar: ``TORCHINDUCTOR_VEC_ISA_OK=0`` (Inductor takes no SIMD
-    instruction set, and probes none), for the workers and every subprocess they start. Every
-    vectorized kernel file instantiates ATen's ``Vectorized`` templates again, which the
-    precompiled header cannot hold: about 0.4 s of each build's 1.1, 12% of the tier's test
-    time (two runs of each, side by side). No code of torch_patches emits or changes a kernel's loops (its Inductor patches are
-    the graphs it is given, buffer reuse and cache keys), so the fast tier checks the same
-    things; the whole suite (CI's torch 2.13 run) builds the kernels vectorized, as users get
-    them. Set the variable beforehand to choose otherwise (``1``: the CPU's report, vectorized)."""
-    if "not slow" not in (config.getoption("markexpr", "") or "") or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
-        return
-    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp.vec_isa_ok = False  # read from the environment at its import
+    inductor_config.cpp.vec_isa_ok = vectorized  # read from the environment at its import
 
 
 #: The checks Inductor still makes with the report taken (whether AVX-512 BF16 and AMX
@@ -222,8 +216,7 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller runs no test: its workers set up their own
     _one_collection_at_the_end(config)
-    _scalar_kernels_in_the_fast_tier(config)
-    _trust_the_cpus_vector_isa()
+    _choose_the_vector_isa(config)
     _check_vec_isa_during_collection()
     _no_guard_latency_probe()
     _fewer_collections()
