@@ -5,7 +5,9 @@
 import os
 import subprocess
 import sys
+from unittest import mock
 
+import pytest
 import torch
 from torch._dynamo.test_case import run_tests
 from torch._logging._internal import log_registry, log_state
@@ -26,6 +28,20 @@ class TestLoggingArtifact(TestCase):
             torch._logging.set_logs()
         self.assertFalse(log_state.is_artifact_enabled("torch_patches"))
 
+    def test_torch_logs_enables_it(self):
+        # The variable read as torch reads it when it is imported (``_init_logs``), in this
+        # process; the fresh-process twin below starts one.
+        internal = torch._logging._internal
+        try:
+            with mock.patch.dict(os.environ, {"TORCH_LOGS": "torch_patches"}):
+                internal._init_logs()
+                self.assertTrue(internal.log_state.is_artifact_enabled("torch_patches"))
+        finally:
+            internal.log_state = log_state  # the variable's state is a new object
+            torch._logging.set_logs()
+        self.assertFalse(log_state.is_artifact_enabled("torch_patches"))
+
+    @pytest.mark.slow  # a fresh process; fast twin: test_torch_logs_enables_it
     def test_torch_logs_enables_it_in_a_fresh_process(self):
         lines = ["import torch"]
         # upstream: not exported

@@ -73,14 +73,21 @@ class InductorAndRecordGraphs:
     ``fw_graphs``/``bw_graphs`` hold copies taken before Inductor's own passes run. The
     graph caches are off while it compiles (:func:`graph_caches_off`): a hit would skip the
     graphs it records.
+
+    ``kernels=False``, for a test that reads the graphs and not what Inductor makes of them:
+    everything up to them is Inductor's path (its decompositions and partitioner, the
+    inliner), then each graph runs as it is, without Inductor's passes, lowering and kernels
+    (on a CPU, each kernel is a build of the C++ compiler, about half a second).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, kernels: bool = True) -> None:
+        self.kernels = kernels
         self.graphs: list[fx.GraphModule] = []
         self.fw_graphs: list[fx.GraphModule] = []
         self.bw_graphs: list[fx.GraphModule] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from functorch.compile import make_boxed_func
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         self.graphs.append(gm)
@@ -90,6 +97,8 @@ class InductorAndRecordGraphs:
             backward = bool(kwargs.get("is_backward"))
             copy = roles.mark(fx.GraphModule(g, _copy_graph(g.graph)), backward=backward)
             (self.bw_graphs if backward else self.fw_graphs).append(copy)
+            if not self.kernels:
+                return make_boxed_func(g.forward)
             return compile_fx_inner(g, inputs, **kwargs)
 
         # A cache hit would skip inner_compile and record nothing.
