@@ -7,6 +7,8 @@ in fresh processes sharing one cache directory (test/cache_worker.py), and check
 counters and that the gradients are those of the hook that was asked for.
 """
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -303,10 +305,11 @@ class TestHookCacheKey(TestCase):
             "def pack(x):\n    return (x * 2.0).to(torch.bfloat16)\n"
             "print(hook_cache_hash(torch.fx.symbolic_trace(pack))[0])\n"
         )
-        here: dict[str, object] = {}
-        exec(code.replace("print(", "digest = ("), here)
-        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-        digests = {here["digest"], fresh}
+        here = io.StringIO()
+        with contextlib.redirect_stdout(here):
+            exec(code, {})
+        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        digests = {here.getvalue().strip(), fresh.strip()}
         self.assertEqual(len(digests), 1)
         self.assertExpectedInline(digests.pop(), """71c3053a54cc5a7ed169934f""")
 

@@ -32,14 +32,15 @@ class TestLoggingArtifact(TestCase):
         # The variable read as torch reads it when it is imported (``_init_logs``), in this
         # process; the fresh-process twin below starts one.
         internal = torch._logging._internal
+        state = internal.log_state  # reading the variable replaces it with a new object
         try:
             with mock.patch.dict(os.environ, {"TORCH_LOGS": "torch_patches"}):
                 internal._init_logs()
                 self.assertTrue(internal.log_state.is_artifact_enabled("torch_patches"))
         finally:
-            internal.log_state = log_state  # the variable's state is a new object
+            internal.log_state = state
             torch._logging.set_logs()
-        self.assertFalse(log_state.is_artifact_enabled("torch_patches"))
+        self.assertFalse(internal.log_state.is_artifact_enabled("torch_patches"))
 
     @pytest.mark.slow  # a fresh process; fast twin: test_torch_logs_enables_it
     def test_torch_logs_enables_it_in_a_fresh_process(self):
