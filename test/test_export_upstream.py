@@ -62,6 +62,27 @@ def _git(*args, cwd):
 @unittest.skipIf(os.environ.get(UPSTREAM_FORM_ENV), "runs the upstream-form tests itself")
 @pytest.mark.xdist_group("export")  # one worker exports the stack for all of them (pytest.ini)
 class TestExport(unittest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _pytest_config(self, request):
+        self.pytest_config = request.config
+
+    def test_one_worker_runs_the_group(self):
+        # Under --dist loadgroup (pytest.ini) xdist adds "@export" to these tests' ids as a
+        # worker collects them, and so sends them to one worker. pytest-xdist 3.8 does that
+        # through an attribute pytest 9.2 no longer reads: then the class is spread over the
+        # workers and each one exports the stack again (about 10 s of the fast tier).
+        config = self.pytest_config
+        if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+            self.skipTest("not on an xdist worker under --dist loadgroup")
+        nodeid = os.environ["PYTEST_CURRENT_TEST"].rpartition(" ")[0]
+        import xdist
+
+        self.assertTrue(
+            nodeid.endswith("@export"),
+            f"{nodeid}: --dist loadgroup has no effect with pytest {pytest.__version__} and pytest-xdist "
+            f"{xdist.__version__}; install the test extra's versions (setup.py)",
+        )
+
     def test_env_names_agree(self):
         self.assertEqual(UPSTREAM_FORM_ENV, TESTING_ENV)
 
