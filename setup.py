@@ -25,7 +25,8 @@ setup(
     extras_require={
         # pytest below 9.2: pytest-xdist (3.8) groups a test with others (``--dist loadgroup``,
         # pytest.ini) by renaming it, through an attribute pytest 9.2 no longer reads; there
-        # every group's tests are spread over the workers (test/conftest.py checks).
+        # every group's tests are spread over the workers (test_export_upstream's
+        # TestExport.test_one_worker_runs_the_group fails there).
         "test": ["pytest>=7,<9.2", "pytest-xdist>=3", "expecttest>=0.2", "hypothesis>=6", "numpy", "matplotlib"],
         "upstream": ["ghstack"],
         # The lint and type gate (CI's, and pre-commit's): versions pinned, so that the

@@ -70,7 +70,7 @@ class TestExport(unittest.TestCase):
         # Under --dist loadgroup (pytest.ini) xdist adds "@export" to these tests' ids as a
         # worker collects them, and so sends them to one worker. pytest-xdist 3.8 does that
         # through an attribute pytest 9.2 no longer reads: then the class is spread over the
-        # workers and each one exports the stack again (about 10 s of the fast tier).
+        # workers and each one exports the stack again (about 10 s of CPU in the fast tier).
         config = self.pytest_config
         if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
             self.skipTest("not on an xdist worker under --dist loadgroup")
