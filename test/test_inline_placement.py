@@ -513,15 +513,6 @@ class GraphModule(torch.nn.Module):
 
 
 class TestStructuredTrace(TestCase):
-    def test_no_test_harness_listens_to_the_trace(self, device):
-        # torch builds a structured-trace payload (each graph of each stage, printed) only
-        # where its trace logger has a handler: the test case drops the one Dynamo's test case
-        # adds and the log capture pytest 9.1+ attaches to every non-propagating logger.
-        from torch._logging._internal import trace_log
-
-        harness = [h for h in trace_log.handlers if h is getattr(self, "handler", None) or type(h).__module__ == "_pytest.logging"]
-        self.assertEqual(harness, [])
-
     def test_tlparse_artifact_has_graphs_before_and_after(self, device):
         # As upstream's inliner: one structured-trace artifact with the four graphs.
         import logging

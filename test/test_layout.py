@@ -186,6 +186,17 @@ BINARY = re.compile(r"\.(whl|egg|tar|tgz|gz|bz2|xz|zip|so|pyd|dll|dylib|pyc|pt|p
 
 
 class TestLayout(TestCase):
+    def test_no_test_harness_listens_to_the_trace(self):
+        # torch builds a structured-trace payload (each graph of each stage, printed) only
+        # where its trace logger has a handler: torch_patches.testing.TestCase drops the one
+        # Dynamo's test case adds and the log capture pytest 9.1+ attaches to every logger
+        # that does not propagate. (Not in the tests exported upstream: their test case is
+        # upstream's, which listens.)
+        from torch._logging._internal import trace_log
+
+        harness = [h for h in trace_log.handlers if h is getattr(self, "handler", None) or type(h).__module__ == "_pytest.logging"]
+        self.assertEqual(harness, [])
+
     def test_base_install_needs_no_extra(self):
         # A fresh process where every package only an extra provides cannot be imported:
         # what a newcomer has after `pip install torch_patches` (README's "Try it").
