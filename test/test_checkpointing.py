@@ -204,8 +204,16 @@ def step_peak(model: torch.nn.Module, loss_of, x: torch.Tensor | None, pair=None
     model.zero_grad(set_to_none=False)
     if x is not None:
         x.grad = torch.zeros_like(x)
-    gc.collect()
-    return peak_bytes(step, next(model.parameters()).device)
+    # No collection of reference cycles during the measured step: one could free what earlier
+    # steps left (lowering the count by chance). Paused rather than run beforehand: a full
+    # collection of a test worker's heap takes about a second.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return peak_bytes(step, next(model.parameters()).device)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def worst_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
