@@ -1,7 +1,7 @@
 """README's "Try it", as a newcomer runs it: ``python .ci/readme.py try-it`` prints the
-commands of its bash block (one a line) but the clone (``git clone ...`` and ``cd``: CI runs
-in a clone already), ``python .ci/readme.py example`` the README's first Python example (to
-run as a script)."""
+commands of its bash block (one a line; blank and comment lines left out) but the clone
+(``git clone ...`` and ``cd``: CI runs in a clone already), ``python .ci/readme.py example``
+the README's first Python example (to run as a script)."""
 
 import os
 import re
@@ -23,7 +23,7 @@ def main(what: str) -> None:
         section = text.split("## Try it", 1)[1]
         for line in blocks(section, "bash")[0].splitlines():
             command = line.split("#", 1)[0].strip()
-            if not command.startswith("git clone "):
+            if command and not command.startswith("git clone "):
                 print(command)
     else:
         raise SystemExit(f"usage: {sys.argv[0]} try-it|example")
