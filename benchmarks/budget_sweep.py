@@ -33,9 +33,10 @@ the measured one.
 Where the device has a copy engine (CUDA), the rows ``offload`` (``cpu_offload()``) and
 ``fp8+offload`` (``chain(fp8_rowwise(), cpu_offload())``) run too, measured the same way
 and listed under the table: what an exact (or fp8) offload of every saved tensor costs
-beside what the budget plans.  With ``--by-hand``, the row ``chunked_by_hand`` too: the loss
-written by hand in 8 chunks of tokens under ``checkpoint``, stock compile, no hooks (what
-torchtune and Liger users write): the peak a chunked head is held to, listed under the table.
+beside what the budget plans (``--no-offload-rows`` leaves them out).  With ``--by-hand``,
+the row ``chunked_by_hand`` too: the loss written by hand in 8 chunks of tokens under
+``checkpoint``, stock compile, no hooks (what torchtune and Liger users write): the peak a
+chunked head is held to, listed under the table.
 
 Defaults are the sizes of the budget's acceptance check: 4 layers, hidden 512, 8 heads,
 sequences of 512, batch 4, vocabulary 8,192, Inductor.
@@ -43,6 +44,7 @@ sequences of 512, batch 4, vocabulary 8,192, Inductor.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -238,9 +240,8 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.budget_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS))
@@ -280,7 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the row with the loss chunked by hand under checkpoint, stock compile (chunked_by_hand)",
     )
+    parser.add_argument(
+        "--no-offload-rows",
+        dest="offload_rows",
+        action="store_false",
+        help="leave out the offload rows a device with a copy engine otherwise adds",
+    )
     parser.add_argument("--json", default="bench-results/budget-sweep.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     import torch
@@ -322,13 +334,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = TrainConfig(model=model, **sizes)
             rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
             rows += ["chunked_by_hand"] if args.by_hand else []
-            if copy_engine(torch.device(args.device)):
+            if args.offload_rows and copy_engine(torch.device(args.device)):
                 rows += list(OFFLOAD_ROWS)
             results = {}
             for row in rows:
                 start = time.time()
                 results[row] = run_in_subprocess(cfg, row, [0])
-                print(f"  {model} {row}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+                peak, ms = _step(results[row])
+                measured = f"peak {peak / 2**20:.0f} MiB, {ms:.1f} ms a step" if peak is not None else "error"
+                print(f"  {model} {row}: {measured} ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
             summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
             sweep["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
             print(f"\n{model} (vocab {vocab}):\n{format_table(summary, args.tolerance)}", flush=True)

@@ -387,8 +387,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
                 torch.nn.utils.clip_grad_norm_(params, cfg.clip)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())  # waits for the device: the step's time is its time there too
                 times.append(time.perf_counter() - start)
-                losses.append(loss.item())
                 if not math.isfinite(losses[-1]):
                     break
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:

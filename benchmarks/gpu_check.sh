@@ -18,10 +18,11 @@
 #    budget(0.2/0.3/0.5) beside stock's activation_memory_budget, eager save_on_cpu and
 #    upstream's activation offloading; the allocator's history of the offloaded step and the
 #    generated code's order of offloads and reloads.
-# llama takes about five and a half minutes on an H100, tests about four: run them as two
-# calls (STAGES=llama, then STAGES=tests) where one command may run at most ten minutes.
+# llama takes about three minutes on an H200 (LLAMA_ROWS="no-hooks-llama1b,offload-llama1b" runs
+# some of its rows), tests about three and a half (TESTS_K selects some): run them as two calls
+# (STAGES=llama, then STAGES=tests) where one command may run at most ten minutes.
 # STAGES="table" (say) runs a subset; STAGES="head" the loss head at a 128k vocabulary (two
-# sweeps of three rows, each row a fresh process: a few minutes).
+# sweeps of three rows side by side, each row a fresh process: a few minutes).
 # Writes pytest's report, the failures, the tables and their JSON under $OUT (default:
 # ./gpu-check).
 set -u
@@ -71,10 +72,10 @@ sed -n '/^history/,$p' "$OUT/profile.txt" | grep -v "^ROW"
 
 stage_llama() {
 mkdir -p "$OUT/llama"
-timeout "${LLAMA_TIMEOUT:-420}" python3 benchmarks/gpu_offload_profile.py --rows llama --no-code \
+timeout "${LLAMA_TIMEOUT:-420}" python3 benchmarks/gpu_offload_profile.py --rows "${LLAMA_ROWS:-llama}" --no-code \
     --llama-batch "$LLAMA_BATCH" --out "$OUT/llama" --json "$OUT/llama/llama.json" > "$OUT/llama/llama.log" 2>&1
 echo "llama rc=$?"
-grep -E "^(variant|no-hooks|budget|stock|offload|fp8)|Error" "$OUT/llama/llama.log" | tail -10
+grep -E "^(variant|no-hooks|budget|stock|offload|fp8)|copies|Error" "$OUT/llama/llama.log" | tail -14
 }
 
 stage_tall() {
@@ -89,13 +90,19 @@ stage_head() {
 # The loss head at Llama 3's vocabulary (128,256 tokens; 4 layers x 2048, batch 4 x 2048, fp32):
 # no hooks, budget(0.1) and stock's activation_memory_budget 0.1, at HF's default call (the
 # chunked head) and at torchtitan's (the loss compiled apart: the head's matmul in another graph).
+# The two calls run side by side (each row a fresh process, its peak its own allocator's; the
+# step times share the device: HEAD_SERIAL=1 runs them one after the other).
 mkdir -p "$OUT/head"
 for call in hf_default torchtitan; do
     timeout "${HEAD_TIMEOUT:-240}" python3 -m benchmarks.budget_sweep --models llama --fractions 0.1 --layers 4 \
-        --dim 2048 --heads 16 --seq 2048 --batch 4 --vocab 128256 --call "$call" --steps 4 --device cuda \
-        --json "$OUT/head/$call.json" > "$OUT/head/$call.log" 2>&1
-    echo "head $call rc=$?"
-    grep -E "^\| 0.1|no hooks|above|planned" "$OUT/head/$call.log"
+        --dim 2048 --heads 16 --seq 2048 --batch 4 --vocab 128256 --call "$call" --steps 4 --device cuda --no-offload-rows \
+        --json "$OUT/head/$call.json" > "$OUT/head/$call.log" 2>&1 &
+    [ -n "${HEAD_SERIAL:-}" ] && wait
+done
+wait
+for call in hf_default torchtitan; do
+    echo "head $call:"
+    grep -E "^\| 0.1|no hooks|above|planned|Error| llama " "$OUT/head/$call.log"
 done
 }
 

@@ -25,6 +25,10 @@ Upstream's activation offloading runs with its separate stream and on one stream
 * the generated code of the forward and backward (``DIR/fw.py``, ``DIR/bw.py``) and the order
   of its offload / free / reload lines.
 
+For every row that offloads, on CUDA, one more step under the profiler: the device time of its
+host<->device copies, of its kernels, and how much of the copies ran while a kernel ran
+(``copy_overlap``: what the copy engine hid behind compute, and what it left exposed).
+
 On the CPU the device columns are empty (there is no CUDA allocator to read); the dry run
 checks the script, the rows and the code listing.
 """
@@ -35,10 +39,12 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -141,6 +147,75 @@ ROW_SETS = {
     "tall": ",".join(r for r in ROWS if r.endswith("-tall")),
     "llama": ",".join(r for r in ROWS if r.endswith("-llama1b")),
 }
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _hidden(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> float:
+    """The time of the (merged) ``copies`` during which some (merged) kernel ran."""
+    hidden, j = 0.0, 0
+    for a, b in copies:
+        while j < len(kernels) and kernels[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(kernels) and kernels[k][0] < b:
+            hidden += min(b, kernels[k][1]) - max(a, kernels[k][0])
+            k += 1
+    return hidden
+
+
+def copy_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The copies of one step against its kernels, from the profiler's Chrome trace events.
+
+    Times in ms of device time: ``copy_ms`` host<->device copies (device-to-device ones are
+    kernels' work, not the copy engine's), ``kernel_ms`` kernels, ``copy_hidden_ms`` the copies'
+    time while some kernel ran, ``copy_exposed_ms`` the rest (also per direction:
+    ``offload_exposed_ms`` device to host, ``reload_exposed_ms`` host to device), ``span_ms``
+    first to last event.
+    """
+
+    def spans(cat: str, *names: str) -> list[tuple[float, float]]:
+        return _merged(
+            [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == cat and any(n in e.get("name", "") for n in names)]
+        )
+
+    copies, kernels = spans("gpu_memcpy", "DtoH", "HtoD"), spans("kernel", "")
+    hidden = _hidden(copies, kernels)
+    copy_us = sum(b - a for a, b in copies)
+    out = {
+        "copy_ms": round(copy_us / 1e3, 3),
+        "kernel_ms": round(sum(b - a for a, b in kernels) / 1e3, 3),
+        "copy_hidden_ms": round(hidden / 1e3, 3),
+        "copy_exposed_ms": round((copy_us - hidden) / 1e3, 3),
+    }
+    for label, direction in (("offload", "DtoH"), ("reload", "HtoD")):
+        one = spans("gpu_memcpy", direction)
+        out[f"{label}_exposed_ms"] = round((sum(b - a for a, b in one) - _hidden(one, kernels)) / 1e3, 3)
+    both = copies + kernels
+    out["span_ms"] = round((max(b for _, b in both) - min(a for a, _ in both)) / 1e3, 3) if both else 0.0
+    return out
+
+
+def profiled_copies(step: Any, sync: Any) -> dict[str, float]:
+    """One step under the profiler (CPU and CUDA activities): :func:`copy_overlap` of its trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return copy_overlap(json.load(f)["traceEvents"])
 
 
 def frames_of(entry: dict[str, Any]) -> list[str]:
@@ -256,12 +331,29 @@ def plans_of(compiled: Any) -> list[dict[str, Any]]:
     ]
 
 
+def captured_code(step: Any, name: str, args: argparse.Namespace, log: Any) -> dict[str, str]:
+    """Run ``step`` (its first: it compiles), write the generated forward and backward under
+    ``args.out`` and log their order of offloads, frees and reloads; the files written."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, codes = run_and_get_code(step)
+    files = {}
+    for label, code in zip(("forward", "backward"), codes):
+        path = os.path.join(args.out, "fw.py" if label == "forward" else "bw.py")
+        with open(path, "w") as f:
+            f.write(code)
+        files[label] = os.path.basename(path)
+        log(f"[{name}] generated {label} ({len(code)} chars), its offload/free/reload order:")
+        for line in code_order(code, args.order_lines):
+            log(f"    {line}")
+    return files
+
+
 def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     row = ROWS[name]
     import torch._dynamo
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     cuda = args.device.startswith("cuda")
@@ -305,17 +397,7 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     with inductor_config.patch(inductor_cfg), functorch_config.patch(dict(row.functorch)), torch_patches.config.patch(dict(row.patches)):
         t0 = time.perf_counter()
         if row.backend == "inductor" and name == "offload" and args.code:
-            _, codes = run_and_get_code(step)
-            files = {}
-            for label, code in zip(("forward", "backward"), codes):
-                path = os.path.join(args.out, "fw.py" if label == "forward" else "bw.py")
-                with open(path, "w") as f:
-                    f.write(code)
-                files[label] = os.path.basename(path)
-                log(f"[{name}] generated {label} ({len(code)} chars), its offload/free/reload order:")
-                for line in code_order(code, args.order_lines):
-                    log(f"    {line}")
-            out["code_files"] = files
+            out["code_files"] = captured_code(step, name, args, log)
         else:
             with saved_tensor_records() as compiled:
                 step()
@@ -355,6 +437,12 @@ def run_row(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
             sync()
             times.append(time.perf_counter() - t)
         out["step_ms"] = 1e3 * statistics.median(times)
+        if cuda and "offload" in name:
+            c = out["copy_overlap"] = profiled_copies(step, sync)
+            log(
+                f"[{name}] copies {c['copy_ms']:.1f} ms of device time, {c['copy_hidden_ms']:.1f} ms of it while a kernel ran, "
+                f"{c['copy_exposed_ms']:.1f} ms exposed ({c['offload_exposed_ms']:.1f} out, {c['reload_exposed_ms']:.1f} back); kernels {c['kernel_ms']:.1f} ms; step span {c['span_ms']:.1f} ms"
+            )
     return out
 
 
@@ -398,8 +486,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log(f"ROW {row}")
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             # Paths of this run (its output folder) stay out: the file is a result to keep.
             kept = {k: v for k, v in vars(args).items() if k not in ("out", "json")}

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd.activation_budget import cost_model, exact, planner, recompute, solver
@@ -49,6 +50,7 @@ from torch_patches.bench.measure import block_working_set, saved_bytes, saved_by
 from torch_patches.hooks import bf16, budget, chain, cpu_offload, fp8_rowwise, inlineable, int8_rowwise, select
 from torch_patches.hooks.compress import bf16_pack, bf16_unpack
 from torch_patches.testing import (
+    CPU_RATES,
     AotEagerAndRecordGraphs,
     TestCase,
     graph_caches_off,
@@ -571,9 +573,7 @@ class GraphModule(torch.nn.Module):
             self.plan_log.clear()
             with tp_config.patch(
                 activation_budget_lossy_margin=margin,
-                activation_budget_memory_bandwidth=20.0,
-                activation_budget_flops=0.2,
-                activation_budget_kernel_overhead_us=2.0,
+                **CPU_RATES,
             ):
                 with torch.autograd.graph.saved_tensors_hooks(*budget(memory, options=options)):
                     torch.compile(f, backend="aot_eager")(x, w).backward()
@@ -601,12 +601,11 @@ class GraphModule(torch.nn.Module):
         # it meets it. That plan is taken: fewer int8 storages than the fastest plan's. The
         # rates are the cost model's CPU figures on every device (as above).
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
-        rates = dict(activation_budget_memory_bandwidth=20.0, activation_budget_flops=0.2, activation_budget_kernel_overhead_us=2.0)
 
         def plan(margin):
             torch._dynamo.reset()
             self.plan_log.clear()
-            with tp_config.patch(activation_budget_lossy_margin=margin, **rates):
+            with tp_config.patch(activation_budget_lossy_margin=margin, **CPU_RATES):
                 _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.5, options=_NO_OFFLOAD))
             (summary,) = self.plan_log.plans
             return summary, collections.Counter(u.option for u in summary.units)
@@ -755,9 +754,13 @@ class TestPartitionerFirst(BudgetTestCase):
     def test_knapsack_taken_where_the_plans_floor_holds_more(self, device):
         # The transformer's step at 0.1, its loss compiled with it: the plan's floor (int8
         # and what is in use at full size) predicts more than the knapsack, which recomputes
-        # down to 0.07 of the bytes.
-        ours = self.model_step("transformer", device, 0.1, loss_inside=True)
-        self.assert_stocks_step(ours, self.model_step("transformer", device, 0.1, stock=True, loss_inside=True))
+        # down to 0.09 of the bytes. Attention as its math, the same graph on every device
+        # (CUDA's fused kernel is another instance: upstream's partitioner counts it among
+        # the compute-intensive ops, the CPU's flash kernel not, and it saves its statistics).
+        with sdpa_kernel(SDPBackend.MATH):
+            ours = self.model_step("transformer", device, 0.1, loss_inside=True)
+            stock = self.model_step("transformer", device, 0.1, stock=True, loss_inside=True)
+        self.assert_stocks_step(ours, stock)
         (ratio,) = re.findall(r"recomputation, ([\d.]+) of its default bytes", ours[3][0].preference)
         self.assertLessEqual(float(ratio), 0.1)
 
@@ -1371,13 +1374,14 @@ class TestBudgetOnModels(BudgetTestCase):
         # mlp8 at 0.5 is an instance where the greedy spends more estimated time than the
         # least that meets the budget (0.574 against 0.529 ms on the CPU); the planner's
         # solver ("auto": the exact programme where no recompute pins another storage)
-        # finds that least.
+        # finds that least. The rates are the cost model's CPU figures on every device (at
+        # CUDA's the greedy finds the least itself: no instance).
         model, x = _model("mlp8", device, **_SIZES["mlp8"])
         found = {}
         for name, fit in (("greedy", solver.greedy_fit), ("auto", planner.SOLVER)):
             torch._dynamo.reset()
             self.plan_log.clear()
-            with mock.patch.object(planner, "SOLVER", fit):
+            with mock.patch.object(planner, "SOLVER", fit), tp_config.patch(**CPU_RATES):
                 _step(torch.compile(model, backend="aot_eager"), model, x, budget(0.5, options=_NO_OFFLOAD))
             (plan,) = self.plan_log.plans
             found[name] = plan

@@ -318,12 +318,20 @@ class TestCheckpointForms(CheckpointCase):
 
 
 class TestCheckpointRecords(CheckpointCase):
+    # On CUDA the partitioner threads the generator's state through the graphs as inputs by
+    # default (graphsafe RNG functionalization: nothing saved, nothing renamed); turned off,
+    # it saves the philox seed and offset as run_and_save_rng_state's getitem, as on the CPU.
+    @torch._functorch.config.patch(graphsafe_rng_functionalization=False)
     def test_rng_state_saved_under_another_name(self, device):
         # A random op in a checkpointed region: the partitioner saves its RNG state (the
         # forward's getitem of run_and_save_rng_state) and the backward takes it as
         # rng_state_output_0. The budget recomputes t (the transposed product's read by
         # the first matmul's weight gradient), which rewires the saved values: matched by
         # position, every one finds its backward input.
+        # No offload (only CUDA offers it, and it meets the budget with no recomputation):
+        # the budget's recomputation is what rewires the saved values.
+        options = ("bf16", "int8", "fp8", "recompute")
+
         def block(t, w):
             return F.dropout((t @ w).relu(), 0.5, training=True).sin()
 
@@ -338,7 +346,7 @@ class TestCheckpointRecords(CheckpointCase):
         x.grad = w.grad = None
         rec = AotEagerAndRecordGraphs()
         with saved_tensor_records() as compiled:
-            with torch.autograd.graph.saved_tensors_hooks(*budget(0.1)):
+            with torch.autograd.graph.saved_tensors_hooks(*budget(0.1, options)):
                 torch.manual_seed(0)
                 loss = torch.compile(f, backend=rec)(x, w)
             loss.backward()

@@ -359,7 +359,8 @@ class TestGuardIsALookup(TestCase):
 
 
 # What TestPerCallPath's hooks read: a tensor the loop updates in place (lifted: a runtime
-# input of the graphs, fetched at every call) and an in-region scope's pair.
+# input of the graphs, fetched at every call; put on the test's device by the test) and an
+# in-region scope's pair.
 LIFTED_SCALE = torch.tensor([2.0])
 SCOPE_HOOKS = bf16(where=None)
 
@@ -433,7 +434,10 @@ class TestPerCallPath(TestCase):
 
     def test_ambient_hooks_with_a_lifted_input(self, device):
         hooks = inlineable(_lifted_pack, _lifted_unpack)
-        self.assertEqual(self.per_call(device, (_block_1, _block_2, _block_3), hooks), {})
+        # The scale lives on the activations' device, as a delayed scale does (a CPU tensor of
+        # one element multiplies no CUDA tensor, eager or traced).
+        with mock.patch(f"{__name__}.LIFTED_SCALE", torch.tensor([2.0], device=device)):
+            self.assertEqual(self.per_call(device, (_block_1, _block_2, _block_3), hooks), {})
 
     def test_in_region_scope(self, device):
         self.assertEqual(self.per_call(device, (_scoped_block, _block_2)), {})

@@ -29,6 +29,7 @@ from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
 
 try:
     from torch_patches.testing._internal.common_saved_tensors_hooks import (
+        CPU_RATES,
         HAS_CUDA,
         TORCH_VERSION,
         cpu_peak_of,
@@ -44,6 +45,7 @@ except ModuleNotFoundError as e:  # the base install: the recording backends onl
 
 __all__ = [
     "AotEagerAndRecordGraphs",
+    "CPU_RATES",
     "HAS_CUDA",
     "InductorAndRecordGraphs",
     "SavedTensorsHookError",

@@ -46,6 +46,11 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in re.findall(r"\d+", torch.
 
 HAS_CUDA = torch.cuda.is_available()
 
+#: The cost model's CPU rates as config knobs (``torch_patches.config.patch(**CPU_RATES)``):
+#: a test whose plan depends on the machine's prices fixes them on every device (at CUDA's
+#: defaults, 400 TFLOP/s and 2 TB/s, the same graph is another instance).
+CPU_RATES = dict(activation_budget_memory_bandwidth=20.0, activation_budget_flops=0.2, activation_budget_kernel_overhead_us=2.0)
+
 __all__ = [
     "AotEagerAndRecordGraphs",
     "HAS_CUDA",
