@@ -22,7 +22,15 @@ from torch._dynamo.test_case import run_tests
 from torch_patches import config as tp_config
 from torch_patches._functorch._aot_autograd.donated_inputs import owned_or_copy, save_apart
 from torch_patches.hooks import budget
-from torch_patches.testing import InductorAndRecordGraphs, TestCase, instantiate_device_type_tests, peak_bytes, saved_tensor_records
+from torch_patches.testing import (
+    CUDA_RATES,
+    InductorAndRecordGraphs,
+    TestCase,
+    copy_engine_everywhere,
+    instantiate_device_type_tests,
+    peak_bytes,
+    saved_tensor_records,
+)
 from torch_patches.testing.models import cross_entropy_loss  # torchtitan's loss
 
 TOKENS, DIM, VOCAB = 2048, 32, 4096
@@ -150,6 +158,29 @@ class TestDonatedInputs(TestCase):
         (predicted, measured), (_, undonated) = results[True], results[False]
         self.assertLess(abs(predicted - measured), 0.1 * measured, f"predicted {predicted}, measured {measured}")
         self.assertGreater(undonated - measured, 0.9 * logits_bytes, f"{undonated} without, {measured} with")
+
+    def test_predicted_peak_of_offloaded_logits(self, device: str) -> None:
+        """Where a copy engine offers it (CUDA, faked here with CUDA's rates), plain
+        ``budget(0.1)`` offloads the logits: the backward reads its own reloaded copy and
+        Inductor writes the logits' gradient over it.  The predicted peak holds one logits'
+        bytes besides the reloads it keeps room for ahead (``ahead_bytes``), not two (measured
+        on an H200: 34079744 B)."""
+        h, w, y = self.inputs(device)
+        logits_bytes = TOKENS * VOCAB * 4
+        loss_fn = torch.compile(cross_entropy_loss, backend="inductor")
+        with (
+            copy_engine_everywhere(),
+            tp_config.patch(**CUDA_RATES),
+            torch.autograd.graph.saved_tensors_hooks(*budget(0.1)),
+            saved_tensor_records() as found,
+        ):
+            torch.autograd.grad(loss_fn(h @ w, y), [w])
+        (plan,) = [p for g in found for p in g.plans]
+        self.assertEqual({u.option for u in plan.units if u.device_bytes == 0 and u.copy_bytes == logits_bytes}, {"offload"})
+        held = plan.predicted_peak_bytes - plan.ahead_bytes
+        self.assertLess(
+            abs(held - logits_bytes), 0.05 * logits_bytes, (plan.predicted_peak_bytes, plan.ahead_bytes, plan.predicted_peak_at)
+        )
 
 
 class TestTorchtitansCall(TestCase):

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 import torch_patches.config as tp_config
 from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED
 from torch_patches.hooks import budget, cpu_offload, offload as offload_ops
-from torch_patches.testing import CPU_RATES, TestCase, instantiate_device_type_tests, saved_tensor_records
+from torch_patches.testing import CPU_RATES, TestCase, copy_engine_everywhere, instantiate_device_type_tests, saved_tensor_records
 
 
 class Block(torch.nn.Module):
@@ -293,20 +293,6 @@ class TestReloadsAheadLlama(TestCase):
         self.assertEqual(len({id(n) for n in issuers}), 2)
         self.assertTrue(all(id(n) not in {id(m) for m in nodes[:1]} for n in issuers[:1]))
         self.assertEqual(len(offload_ops._in_flight), 0)
-
-
-@contextlib.contextmanager
-def copy_engine_everywhere() -> Any:
-    """The budget's cost model treats every device as one with a copy engine (as CUDA):
-    on the CPU its offload option then runs as plain copies, which is how the plan's
-    choices are tested without a GPU."""
-    from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner
-
-    with (
-        unittest.mock.patch.object(cost_model, "copy_engine", lambda device: True),
-        unittest.mock.patch.object(planner, "copy_engine", lambda device: True),
-    ):
-        yield
 
 
 #: The machine :class:`TestBudgetPricesReloadsAhead` prices on, whatever the device (the

@@ -30,8 +30,10 @@ from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
 try:
     from torch_patches.testing._internal.common_saved_tensors_hooks import (
         CPU_RATES,
+        CUDA_RATES,
         HAS_CUDA,
         TORCH_VERSION,
+        copy_engine_everywhere,
         cpu_peak_of,
         hook_warnings,
         instantiate_device_type_tests,
@@ -46,6 +48,7 @@ except ModuleNotFoundError as e:  # the base install: the recording backends onl
 __all__ = [
     "AotEagerAndRecordGraphs",
     "CPU_RATES",
+    "CUDA_RATES",
     "HAS_CUDA",
     "InductorAndRecordGraphs",
     "SavedTensorsHookError",
@@ -53,6 +56,7 @@ __all__ = [
     "TORCH_VERSION",
     "TestCase",
     "UPSTREAM_FORM_ENV",
+    "copy_engine_everywhere",
     "cpu_peak_of",
     "graph_caches_off",
     "hook_nodes",

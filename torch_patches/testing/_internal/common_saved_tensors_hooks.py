@@ -50,6 +50,23 @@ HAS_CUDA = torch.cuda.is_available()
 #: a test whose plan depends on the machine's prices fixes them on every device (at CUDA's
 #: defaults, 400 TFLOP/s and 2 TB/s, the same graph is another instance).
 CPU_RATES = dict(activation_budget_memory_bandwidth=20.0, activation_budget_flops=0.2, activation_budget_kernel_overhead_us=2.0)
+#: CUDA's default rates as the same knobs: with :func:`copy_engine_everywhere`, a CPU test
+#: plans as the budget plans on a GPU.
+CUDA_RATES = dict(activation_budget_memory_bandwidth=2000.0, activation_budget_flops=400.0, activation_budget_kernel_overhead_us=5.0)
+
+
+@contextlib.contextmanager
+def copy_engine_everywhere() -> Iterator[None]:
+    """The budget's cost model treats every device as one with a copy engine (as CUDA):
+    on the CPU its offload option then runs as plain copies, which is how the plan's
+    choices are tested without a GPU."""
+    from unittest import mock
+
+    from torch_patches._functorch._aot_autograd.activation_budget import cost_model, planner
+
+    with mock.patch.object(cost_model, "copy_engine", lambda device: True), mock.patch.object(planner, "copy_engine", lambda device: True):
+        yield
+
 
 __all__ = [
     "AotEagerAndRecordGraphs",

@@ -134,8 +134,12 @@ def _backward_peak(
         # A stored form (bf16, int8, fp8) is read by its unpack's kernel, which writes the
         # full-size tensor beside it: freed after it.
         diff[min(first + 1, len(bw_nodes)) if c.chosen.device_bytes not in (0, c.nbytes) else first] -= c.chosen.device_bytes
+        # The backward may write over a storage it owns: one the forward made and returned
+        # once, a graph input donated to it, or any storage the plan stores otherwise than
+        # kept (its unpack, a reload or a dequantisation, makes the backward's own tensor).
+        owned = c.chosen.device_bytes != c.nbytes
         roots = [(m, act_inputs.storage_root(m)) for m in c.members]
-        donated = all(returned[r] == 1 and (r.op != "placeholder" or m in donated_inputs) for m, r in roots)
+        donated = all(returned[r] == 1 and (r.op != "placeholder" or m in donated_inputs or owned) for m, r in roots)
         diff[freed(last, c.nbytes if donated else 0)] -= c.nbytes
     for span, nbytes in plan.fixed:
         diff[0] += nbytes
