@@ -30,6 +30,7 @@ from torch.testing._internal.common_device_type import (
     instantiate_device_type_tests as _instantiate_device_type_tests,
 )
 
+from torch_patches._functorch._aot_autograd.activation_budget.cost_model import DEFAULT_RATES
 from torch_patches.testing._internal.saved_tensors_hooks_graphs import (
     AotEagerAndRecordGraphs,
     InductorAndRecordGraphs,
@@ -46,13 +47,13 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in re.findall(r"\d+", torch.
 
 HAS_CUDA = torch.cuda.is_available()
 
-#: The cost model's CPU rates as config knobs (``torch_patches.config.patch(**CPU_RATES)``):
-#: a test whose plan depends on the machine's prices fixes them on every device (at CUDA's
-#: defaults, 400 TFLOP/s and 2 TB/s, the same graph is another instance).
-CPU_RATES = dict(activation_budget_memory_bandwidth=20.0, activation_budget_flops=0.2, activation_budget_kernel_overhead_us=2.0)
-#: CUDA's default rates as the same knobs: with :func:`copy_engine_everywhere`, a CPU test
-#: plans as the budget plans on a GPU.
-CUDA_RATES = dict(activation_budget_memory_bandwidth=2000.0, activation_budget_flops=400.0, activation_budget_kernel_overhead_us=5.0)
+#: The cost model's default rates as config knobs (``torch_patches.config.patch(**CPU_RATES)``):
+#: a test whose plan depends on the machine's prices fixes them on every device with
+#: ``CPU_RATES`` (at CUDA's defaults, 400 TFLOP/s and 2 TB/s, the same graph is another
+#: instance); with ``CUDA_RATES`` and :func:`copy_engine_everywhere`, a CPU test plans as the
+#: budget plans on a GPU.
+CPU_RATES = dict(DEFAULT_RATES["cpu"])
+CUDA_RATES = dict(DEFAULT_RATES["cuda"])
 
 
 @contextlib.contextmanager

@@ -45,21 +45,30 @@ class Rates:
 
     @staticmethod
     def for_device(device: torch.device) -> Rates:
-        cuda = device.type == "cuda"
+        defaults = DEFAULT_RATES["cuda" if device.type == "cuda" else "cpu"]
 
-        def knob(value: float | None, cpu: float, gpu: float) -> float:
-            return float(value if value is not None else (gpu if cuda else cpu))
+        def knob(name: str) -> float:
+            value = getattr(config, name)
+            return float(value if value is not None else defaults[name])
 
         host = config.activation_budget_host_bandwidth
         if host is None:
             # torch's offload bandwidth knob (torch >= 2.12; its default, 50 GB/s, before).
             host = getattr(torch._functorch.config, "activation_offload_cpu_gpu_bw", 50.0)
         return Rates(
-            memory_bytes_per_ms=knob(config.activation_budget_memory_bandwidth, 20.0, 2000.0) * 1e6,
+            memory_bytes_per_ms=knob("activation_budget_memory_bandwidth") * 1e6,
             host_bytes_per_ms=float(host) * 1e6,
-            flops_per_ms=knob(config.activation_budget_flops, 0.2, 400.0) * 1e9,
-            kernel_ms=knob(config.activation_budget_kernel_overhead_us, 2.0, 5.0) * 1e-3,
+            flops_per_ms=knob("activation_budget_flops") * 1e9,
+            kernel_ms=knob("activation_budget_kernel_overhead_us") * 1e-3,
         )
+
+
+#: The machine :meth:`Rates.for_device` assumes where a knob is unset, per device type, by
+#: config knob: memory bandwidth (GB/s), compute (TFLOP/s), a kernel's launch (us).
+DEFAULT_RATES: dict[str, dict[str, float]] = {
+    "cpu": {"activation_budget_memory_bandwidth": 20.0, "activation_budget_flops": 0.2, "activation_budget_kernel_overhead_us": 2.0},
+    "cuda": {"activation_budget_memory_bandwidth": 2000.0, "activation_budget_flops": 400.0, "activation_budget_kernel_overhead_us": 5.0},
+}
 
 
 # ------------------------------------------------------------------------- options
