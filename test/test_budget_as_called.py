@@ -25,9 +25,17 @@ from torch._dynamo.test_case import run_tests
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_patches
-from torch_patches._functorch._aot_autograd.activation_budget import working_set
+from torch_patches._functorch._aot_autograd.activation_budget import inductor_order, working_set
 from torch_patches.hooks import bf16, budget
-from torch_patches.testing import TestCase, graph_caches_off, instantiate_device_type_tests, peak_bytes, saved_tensor_records
+from torch_patches.testing import (
+    CUDA_RATES,
+    TestCase,
+    copy_engine_everywhere,
+    graph_caches_off,
+    instantiate_device_type_tests,
+    peak_bytes,
+    saved_tensor_records,
+)
 
 
 def _llama(device: str, vocab: int = 1024) -> tuple[object, torch.Tensor]:
@@ -136,11 +144,64 @@ class TestHeldBytes(TestCase):
 
         gm = make_fx(f)(torch.randn(64, 64, device=device), torch.randn(64, 8, device=device))
         x, w = list(gm.graph.nodes)[:2]
-        order = working_set.memory_order(gm.graph, dropped=[x])
+        order = inductor_order.memory_order(gm.graph)
         at = {n.name: i for i, n in enumerate(order)}
         self.assertLess(at["sum_1"], at["mm"])
         fx_peak = max(working_set.held_bytes(gm.graph, dropped=[x]))
         self.assertLess(max(working_set.held_bytes(gm.graph, dropped=[x], order=order)), fx_peak)
+
+    def test_a_fused_kernel_runs_once_all_its_inputs_are_made(self, device: str) -> None:
+        # The residual stream a recomputing partition rebuilds in the backward: each block's
+        # sum is read by a matmul (so it is made), and Inductor fuses the chain of sums into one
+        # kernel writing all of them: it runs after every block's projection, so no order
+        # runs the first sum (and frees its projection) before the last projection is made.
+        def f(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h1 = x + torch.relu(a @ w)
+            h2 = h1 + torch.relu(b @ w)
+            h3 = h2 + torch.relu(c @ w)
+            return h1 @ w.t(), h2 @ w.t(), h3 @ w.t()
+
+        args = [torch.randn(16, 32, device=device)] + [torch.randn(16, 8, device=device) for _ in range(3)]
+        gm = make_fx(f)(*args, torch.randn(8, 32, device=device))
+        nodes = {n.name: n for n in gm.graph.nodes}
+        fused = inductor_order.fused_kernels(gm.graph)
+        self.assertEqual([n.name for n in fused[nodes["add"]]], ["add", "add_1", "add_2"])
+        order = [n.name for n in inductor_order.memory_order(gm.graph)]
+        self.assertLess(max(order.index(m) for m in ("mm", "mm_1", "mm_2")), min(order.index(a) for a in ("add", "add_1", "add_2")))
+
+    def test_no_fused_kernel_across_a_matmul(self, device: str) -> None:
+        # The second sum reads a matmul of the first: one kernel cannot hold both.
+        def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h1 = x + 1
+            h2 = h1 + h1 @ w
+            return h2 @ w
+
+        gm = make_fx(f)(torch.randn(16, 32, device=device), torch.randn(32, 32, device=device))
+        self.assertEqual(inductor_order.fused_kernels(gm.graph), {})
+
+    def test_inductor_keeps_the_graph_order_unless_the_reorder_holds_less(self, device: str) -> None:
+        # Inductor's reorder takes its least peak memory first order only where its own
+        # estimate of that order's peak is lower than the graph's; else the graph's runs.
+        def sum_first(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = x.exp() * 2
+            big = w @ w.t()  # made before the sum that frees x, in the graph's order
+            return y.sum(0), big
+
+        def chain(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h1 = x + torch.relu(a @ w)  # the two sums one kernel: nothing to gain
+            h2 = h1 + torch.relu(b @ w)
+            return h1 @ w.t(), h2 @ w.t()
+
+        small = [torch.randn(16, 8, device=device) for _ in range(2)]
+        for f, args, reordered in (
+            (sum_first, [torch.randn(64, 64, device=device), torch.randn(64, 8, device=device)], True),
+            (chain, [torch.randn(16, 32, device=device), *small, torch.randn(8, 32, device=device)], False),
+        ):
+            with self.subTest(f.__name__):
+                graph = make_fx(f)(*args).graph
+                lpmf = inductor_order.memory_order(graph)
+                self.assertEqual(inductor_order.inductor_estimate(graph, lpmf) < inductor_order.inductor_estimate(graph), reordered)
+                self.assertEqual(inductor_order.inductor_order(graph), lpmf if reordered else list(graph.nodes))
 
 
 class TestOutputAliases(TestCase):
@@ -352,6 +413,26 @@ class TestNeverAboveNoBudget(TestCase):
                     # tensor was freed).
                     (plan,) = self.plans
                     self.assertLess(abs(plan.predicted_peak_bytes - measured), 0.1 * measured, (plan.predicted_peak_at, measured))
+
+    @pytest.mark.slow
+    def test_priced_as_cuda_the_knapsack_that_rebuilds_the_stream_stays_out(self, device: str) -> None:
+        """At CUDA's rates (on any device) the partitioner's knapsack at 0.5 is exact and
+        recomputes quickly enough to be taken over the plan's int8 storage, unless it peaks
+        above the step without a budget.  It does: its backward rebuilds every block's sum in
+        one fused kernel after every block's up projection, and Inductor, finding no order
+        that holds less, runs the graph's order (1.09x of no budget, measured on the CPU).
+        Predicted in a least-peak-memory-first order that runs each sum right after its own
+        projection, it looked no higher than no budget and was taken."""
+        none = self.peak(device, None)
+        with (
+            copy_engine_everywhere(),
+            torch_patches.config.patch(**CUDA_RATES),
+            torch_patches.config.patch(activation_budget_partitioner_recompute=True),
+        ):
+            measured = self.peak(device, 0.5)
+        self.assertLessEqual(measured, none)
+        (plan,) = self.plans
+        self.assertIn("int8", {u.option for u in plan.units})
 
 
 instantiate_device_type_tests(TestHeldBytes, globals())

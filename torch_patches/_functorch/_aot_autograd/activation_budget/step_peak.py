@@ -13,13 +13,13 @@ from typing import Any
 import torch.fx as fx
 
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
+from torch_patches._functorch._aot_autograd.activation_budget.inductor_order import inductor_order
 from torch_patches._functorch._aot_autograd.activation_budget.working_set import (
     dropped_tangents,
     held_bytes,
     kernel_ends,
     kernels_reading,
     materialized,
-    memory_order,
     pointwise,
 )
 from torch_patches._functorch._aot_autograd.utils import nbytes_of
@@ -76,11 +76,10 @@ def predicted_peak(
         total += d
         if total + fw_held[i] > best:
             best, where = total + fw_held[i], f"forward node {fw_nodes[i].name}"
-    # Inductor runs the backward in the graph's order or one it finds to hold less
-    # (reorder_for_peak_memory): the lower of the two.
+    # In the order Inductor runs the backward in: its own order or one its reorder estimates
+    # to hold less (reorder_for_peak_memory; :mod:`.inductor_order`).
     dropped = dropped_tangents(bw_g)
-    orders = [None, memory_order(bw_g, (), dropped | set(bw_saved))]
-    peak, at = min((_backward_peak(plan, bw_g, bw_saved, returned, dropped, order, donated) for order in orders), key=lambda t: t[0])
+    peak, at = _backward_peak(plan, bw_g, bw_saved, returned, dropped, inductor_order(bw_g), donated)
     return (peak, at) if peak > best else (best, where)
 
 
@@ -158,7 +157,7 @@ def unplanned_peak(fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_save
     them in a list it empties); with the graphs' own tensors as :func:`predicted_peak`
     counts them.  Returns the peak, the bytes the saved tensors hold at the forward's end
     (storages once, graph inputs not counted), and where the peak is, in words."""
-    fw_nodes, bw_nodes = list(fw_g.nodes), list(bw_g.nodes)
+    fw_nodes = list(fw_g.nodes)
     fw_held = held_bytes(fw_g, (), inputs=False)
     # Saved graph inputs (parameters, the batch) are the caller's before the step.
     by_name = {n.name: n for n in saved}
@@ -168,16 +167,12 @@ def unplanned_peak(fw_g: fx.Graph, bw_g: fx.Graph, saved: list[fx.Node], bw_save
     for i, held in enumerate(fw_held):
         if held > best:
             best, where = held, f"forward node {fw_nodes[i].name}"
-    backward = []
-    for order in (None, memory_order(bw_g, held_by_caller, dropped)):
-        bw_held = held_bytes(bw_g, held_by_caller, dropped=dropped, order=order, donated=set(bw_saved) - set(held_by_caller))
-        top = max(range(len(bw_held)), key=bw_held.__getitem__, default=None)
-        if top is not None:
-            backward.append((bw_held[top], f"backward node {(order or bw_nodes)[top].name}"))
-    if backward:
-        peak, at = min(backward)
-        if peak > best:
-            best, where = peak, at
+    # In the order Inductor runs the backward in (:mod:`.inductor_order`).
+    order = inductor_order(bw_g)
+    bw_held = held_bytes(bw_g, held_by_caller, dropped=dropped, order=order, donated=set(bw_saved) - set(held_by_caller))
+    top = max(range(len(bw_held)), key=bw_held.__getitem__, default=None)
+    if top is not None and bw_held[top] > best:
+        best, where = bw_held[top], f"backward node {order[top].name}"
     roots = {act_inputs.storage_root(s) for s in saved}
     at_end = sum(nbytes_of(r) for r in roots if r.op != "placeholder")
     return best, at_end, where

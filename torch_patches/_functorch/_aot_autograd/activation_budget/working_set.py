@@ -33,7 +33,17 @@ import torch.fx as fx
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
 from torch_patches._functorch._aot_autograd.utils import is_incoming_gradient, nbytes_of
 
-__all__ = ["dropped_tangents", "held_bytes", "kernel_ends", "kernels_reading", "materialized", "memory_order", "pointwise"]
+__all__ = [
+    "addmm_add",
+    "dropped_tangents",
+    "held_bytes",
+    "kernel_ends",
+    "kernel_inputs",
+    "kernels_reading",
+    "materialized",
+    "pointwise",
+    "storage_of",
+]
 
 
 def _tagged(node: fx.Node, *tags: Any) -> bool:
@@ -52,7 +62,7 @@ def pointwise(node: fx.Node) -> bool:
 _INDEXED_LOADS = frozenset({torch.ops.aten.gather.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default})
 
 
-def _addmm_add(node: fx.Node) -> bool:
+def addmm_add(node: fx.Node) -> bool:
     """An ``add`` of a matmul's output (read by nothing else) and a tensor: Inductor lowers
     the pair as one ``addmm`` (its post-grad pattern), a matmul kernel writing the sum: the
     matmul's own output is never made, and the add is not fused into its readers."""
@@ -78,12 +88,12 @@ def _addmm_add(node: fx.Node) -> bool:
 
 def _fused_into_addmm(node: fx.Node) -> bool:
     """A matmul whose one reader is an add Inductor lowers with it as one ``addmm``."""
-    return node.target is torch.ops.aten.mm.default and len(node.users) == 1 and _addmm_add(next(iter(node.users)))
+    return node.target is torch.ops.aten.mm.default and len(node.users) == 1 and addmm_add(next(iter(node.users)))
 
 
 def _fuses_pointwise(node: fx.Node) -> bool:
     """Whether Inductor fuses a pointwise op that ``node`` reads into ``node``'s kernel."""
-    if _addmm_add(node):
+    if addmm_add(node):
         return False
     return _tagged(node, torch.Tag.pointwise, torch.Tag.reduction) or node.target in _INDEXED_LOADS
 
@@ -98,7 +108,7 @@ def _is_view(node: fx.Node) -> bool:
             made_by.op != "call_function"
             or getattr(made_by.target, "is_view", False)
             or made_by.target in _FUNCTIONALIZED
-            or _root(node) is not node
+            or storage_of(node) is not node
         )
     return act_inputs.storage_root(node) is not node
 
@@ -113,7 +123,7 @@ _FUNCTIONALIZED = tuple(
 )
 
 
-def _root(node: fx.Node) -> fx.Node:
+def storage_of(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` reads (``activation_inputs.storage_root``), where a
     functionalized mutation's results (``auto_functionalized``: the op's output, then the
     mutated inputs) are the inputs it mutated: Inductor writes them back in place."""
@@ -125,7 +135,7 @@ def _root(node: fx.Node) -> fx.Node:
                 schema = cast(torch._ops.OpOverload, op.args[0])._schema
                 bases = [op.kwargs[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             if index - 1 < len(bases) and isinstance(bases[index - 1], fx.Node):
-                return _root(bases[index - 1])
+                return storage_of(bases[index - 1])
     return act_inputs.storage_root(node)
 
 
@@ -148,7 +158,7 @@ def materialized(node: fx.Node, packed: bool = False) -> bool:
         return False
     if _fused_into_addmm(node):
         return False
-    if not pointwise(node) or _addmm_add(node):
+    if not pointwise(node) or addmm_add(node):
         return True
     stack, seen = list(node.users), set()
     while stack:
@@ -178,13 +188,13 @@ def kernel_ends(graph: fx.Graph, order: list[fx.Node] | None = None) -> list[int
     return out
 
 
-def _kernel_inputs(node: fx.Node) -> list[fx.Node]:
+def kernel_inputs(node: fx.Node) -> list[fx.Node]:
     """The storages ``node``'s kernel reads: its inputs' roots, through the pointwise ops
     fused into it."""
     out, stack, seen = [], list(node.all_input_nodes), set()
     while stack:
         arg = stack.pop()
-        root = _root(arg)
+        root = storage_of(arg)
         if root in seen:
             continue
         seen.add(root)
@@ -210,10 +220,10 @@ def _reused_input(
     extern kernel, a reduction, or every input lives on).  ``readers``
     (:func:`kernels_reading`), where given: only an input this node's kernel alone reads
     (a fused kernel with two nodes reading the input writes neither over it)."""
-    if node.op != "call_function" or not pointwise(node) or _addmm_add(node):
+    if node.op != "call_function" or not pointwise(node) or addmm_add(node):
         return None
     here = ends[pos[node]] + 1
-    for root in _kernel_inputs(node):
+    for root in kernel_inputs(node):
         if (
             (root.op != "placeholder" or root in donated)
             and free_at.get(root) == here
@@ -254,12 +264,12 @@ def held_bytes(
     autograd passes them to the compiled backward in arguments it holds until the call
     returns; a forward's inputs were held by the caller before the step); ``dropped``:
     inputs that die at their last use instead (:func:`dropped_tangents`); ``order``: the
-    order the nodes run in (default the graph's; :func:`memory_order`), which the result's
+    order the nodes run in (default the graph's; ``inductor_order.inductor_order``), which the result's
     positions follow; ``donated``: inputs a kernel may write its output over where they die
     in it (saved tensors the compiled backward owns)."""
     nodes = list(graph.nodes) if order is None else order
     pos = {n: i for i, n in enumerate(nodes)}
-    skip = {_root(n) for n in excluded}
+    skip = {storage_of(n) for n in excluded}
     dropped, donated = set(dropped), set(donated)
     end = len(nodes)
     ends = kernel_ends(graph, order)
@@ -267,7 +277,7 @@ def held_bytes(
     last: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            root = _root(arg)
+            root = storage_of(arg)
             last[root] = max(last.get(root, -1), end if n.op == "output" else ends[pos[n]])
     diff = [0] * (end + 1)
     free_at: dict[fx.Node, int] = {}
@@ -321,50 +331,5 @@ def kernels_reading(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     out: dict[fx.Node, set[fx.Node]] = collections.defaultdict(set)
     for n in reversed(list(graph.nodes)):
         for arg in n.all_input_nodes:
-            out[_root(arg)] |= kernels(n)
+            out[storage_of(arg)] |= kernels(n)
     return out
-
-
-def memory_order(graph: fx.Graph, excluded: Iterable[fx.Node] = (), dropped: Iterable[fx.Node] = ()) -> list[fx.Node]:
-    """An order of ``graph``'s nodes as Inductor's ``reorder_for_peak_memory`` would pick it
-    (least peak memory first: among the nodes ready to run, one that stays under the most
-    held so far with the least held after it, else the one holding the least while it runs;
-    ties in the graph's order), with this module's buffers: materialised nodes allocate their
-    bytes, a storage is freed when the last kernel reading it has run (inputs held to the
-    end but ``dropped``; ``excluded`` storages not counted)."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    skip = {_root(n) for n in excluded}
-    dropped = set(dropped)
-    readers = kernels_reading(graph)
-    remaining = {r: len(k) for r, k in readers.items()}
-    freeable = {r: nbytes_of(r) for r in readers if r not in skip and materialized(r) and (r.op != "placeholder" or r in dropped)}
-    reads: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
-    for r, ks in readers.items():
-        for k in ks:
-            reads[k].append(r)
-    alloc = {n: (nbytes_of(n) if materialized(n) and n.op != "placeholder" and n not in skip else 0) for n in nodes}
-    indegree = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [n for n in nodes if indegree[n] == 0]
-    live = sum(nbytes_of(n) for n in ready if n.op == "placeholder" and n not in skip and materialized(n))
-    most, out = live, []
-    while ready:
-
-        def costs(n: fx.Node) -> tuple[int, int]:
-            freed = sum(freeable.get(r, 0) for r in reads.get(n, ()) if remaining[r] == 1)
-            return live + alloc[n], live + alloc[n] - freed
-
-        scored = [(costs(n), pos[n], n) for n in ready]
-        under = [t for t in scored if t[0][0] <= most]
-        (mem1, mem2), _, pick = min(under, key=lambda t: (t[0][1], t[1])) if under else min(scored, key=lambda t: (t[0][0], t[1]))
-        ready.remove(pick)
-        out.append(pick)
-        most = max(most, mem1)
-        live = mem2
-        for r in reads.get(pick, ()):
-            remaining[r] -= 1
-        for u in pick.users:
-            indegree[u] -= 1
-            if indegree[u] == 0:
-                ready.append(u)
-    return out if len(out) == len(nodes) else nodes
