@@ -8,7 +8,8 @@
 #    (batch $LLAMA_BATCH x sequence 2048, fp32, KV cache off), each decoder layer and the loss
 #    compiled on their own: no hooks, cpu_offload() (reloads started a graph ahead), budget(0.3),
 #    stock's activation_memory_budget 0.3, fp8 + offload, budget(0.5), stock's 0.5, stock full
-#    activation checkpointing, and cpu_offload() with each layer starting its own reloads;
+#    activation checkpointing, cpu_offload() with each layer starting its own reloads, and
+#    cpu_offload() with the reloads started ahead bounded to half of a layer's;
 # 2. tests: the CUDA variants of every test file (each failure's report is written as it
 #    happens, so a run cut by its timeout still shows why);
 # 3. tall: mlp8 at 4x the batch (activations dominate, the same compute per copied byte):

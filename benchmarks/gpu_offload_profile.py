@@ -137,6 +137,9 @@ ROWS: dict[str, Row] = {
         Row("stock-full-ac-llama1b", "llama1b", checkpoint=True),
         # The same offload with each layer's reloads started by its own backward.
         Row("offload-no-prefetch-llama1b", "llama1b", hooks=cpu_offload, patches=(("offload_prefetch_graphs", 0),)),
+        # The reloads started ahead bounded to half of what a layer saves (1344 MiB): the
+        # first of the next layer's reloads ahead, the rest by its own backward.
+        Row("offload-ahead-half-layer-llama1b", "llama1b", hooks=cpu_offload, patches=(("offload_prefetch_bytes", 672 << 20),)),
     ]
 }
 
