@@ -89,23 +89,22 @@ def _backward_peak(
     bw_saved: list[fx.Node],
     returned: collections.Counter,
     dropped: set[fx.Node],
-    order: list[fx.Node] | None,
+    order: list[fx.Node],
     donated_inputs: Set[fx.Node] = frozenset(),
 ) -> tuple[int, str]:
-    """The backward's part of :func:`predicted_peak`, its nodes run in ``order`` (default the
-    graph's): a storage's span, in the graph's positions on the plan, runs from the first to
-    the last kernel reading it in that order."""
+    """The backward's part of :func:`predicted_peak`, its nodes run in ``order``
+    (:func:`~.inductor_order.inductor_order`): a storage's span runs from the first to the
+    last kernel reading it in that order (the plan's span, in the graph's positions, where no
+    kernel reads it)."""
     graph_nodes = list(bw_g.nodes)
-    bw_nodes = graph_nodes if order is None else order
+    bw_nodes = order
     rank = {n: i for i, n in enumerate(bw_nodes)}
     bw_held = held_bytes(bw_g, bw_saved, dropped=dropped, order=order)
     bw_ends = kernel_ends(bw_g, order)
     by_name = {b.name: b for b in bw_saved}
-    readers = kernels_reading(bw_g) if order is not None else {}
+    readers = kernels_reading(bw_g)
 
     def span_of(members: Any, span: Any) -> tuple[int, int]:
-        if order is None:
-            return span.first, span.last
         ranks = [rank[k] for m in members if m.name in by_name for k in readers.get(by_name[m.name], ()) if k in rank]
         if ranks:
             return min(ranks), max(ranks)
