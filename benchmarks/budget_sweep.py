@@ -121,6 +121,7 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
     ``tolerance``) and those whose planned peak is more than 10% off the measured one
     (``layers``: compiled per decoder layer, see :func:`call_order`)."""
     base_peak, base_ms = _step(results["compiled"])
+    base_first = _first(results["compiled"])
     lines = []
     for f in fractions:
         ours, stock = results[f"budget:{f:g}"], results[f"amb:{f:g}"]
@@ -143,6 +144,9 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
                 "stock_peak": sp / base_peak if sp is not None and base_peak else None,
                 "ours_time": oms / base_ms if oms is not None and base_ms else None,
                 "stock_time": sms / base_ms if sms is not None and base_ms else None,
+                # The first step (compile and run) against no hooks' first step.
+                "ours_first": _ratio(_first(ours), base_first),
+                "stock_first": _ratio(_first(stock), base_first),
                 "errors": [r["error"] for r in (ours, stock) if "error" in r],
             }
         )
@@ -167,12 +171,20 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
         else {"peak": _ratio(_step(by_hand)[0], base_peak), "time": _ratio(_step(by_hand)[1], base_ms), "error": by_hand.get("error")},
         "base_peak_bytes": base_peak,
         "base_step_ms": base_ms,
+        "base_first_step_s": base_first,
         "lines": lines,
         "rises": rises,
         "above_stock": above,
         "planned_off": off,
         "offload": offload,
     }
+
+
+def _first(row: dict[str, Any]) -> float | None:
+    """A row's first step in seconds (its compile and run), where recorded."""
+    seeds = row.get("seeds") or {}
+    seed = next(iter(seeds.values()), None)
+    return seed.get("first_step_s") if seed else None
 
 
 #: How far a planned step peak may be from the measured one.
@@ -189,8 +201,9 @@ def _x(value: float | None) -> str:
 
 def format_table(summary: dict[str, Any], tolerance: float) -> str:
     out = [
-        "| F | plan peak / saved | plan | planned peak x | `budget(F)` peak x | stock peak x | `budget(F)` time x | stock time x |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| F | plan peak / saved | plan | planned peak x | `budget(F)` peak x | stock peak x | `budget(F)` time x | stock time x "
+        "| `budget(F)` first step x | stock first step x |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for line in summary["lines"]:
         plan = "-" if line["plan_met"] is None else ("met" if line["plan_met"] else "floor")
@@ -199,7 +212,8 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
             plan = f"met in {met} of {graphs} graphs"
         out.append(
             f"| {line['fraction']:g} | {_x(line['plan_peak'])} | {plan} | {_x(line.get('planned_peak'))} | {_x(line['ours_peak'])} | "
-            f"{_x(line['stock_peak'])} | {_x(line['ours_time'])} | {_x(line['stock_time'])} |"
+            f"{_x(line['stock_peak'])} | {_x(line['ours_time'])} | {_x(line['stock_time'])} | {_x(line.get('ours_first'))} | "
+            f"{_x(line.get('stock_first'))} |"
         )
     base = summary["base_peak_bytes"]
     out.append(f"\n(no hooks: {base / 2**20:.1f} MiB peak, {summary['base_step_ms']:.0f} ms a step)" if base else "")

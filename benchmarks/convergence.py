@@ -398,6 +398,8 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
                 "eval": curve,
                 "peak_bytes": peak,
                 "step_ms": 1000 * statistics.median(times[3:] or times),
+                # The first step's time: its compile (a fresh process, its own cache) and run.
+                "first_step_s": times[0] if times else None,
                 # The step whose loss was not finite (training stopped there), or None.
                 "diverged_at": len(losses) - 1 if not math.isfinite(losses[-1]) else None,
             }

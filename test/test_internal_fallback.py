@@ -222,7 +222,7 @@ class TestInternalFallback(TestCase):
         with tp_config.patch(activation_budget_partitioner_recompute=True):
             self.check_budget(
                 (partition_choice, "_better", lambda *a, **k: (True, "taken (test)")),
-                (partition_choice, "_adopt", failing_after(partition_choice._adopt, calls=1)),
+                (partition_choice, "adopt", failing_after(partition_choice.adopt, calls=1)),
             )
 
     def test_partitioner_patch(self, device):

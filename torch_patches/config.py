@@ -137,6 +137,12 @@ activation_budget_partitioner_recompute: bool = True
 # recompute) to bf16 and bf16 to fp8, unless a lossier plan is estimated faster by more
 # than this fraction of the graph's estimated compute time.
 activation_budget_lossy_margin: float = 0.05
+# How a budget prices a partition's step peak (activation_budget/inductor_accounting.py).
+#  "auto" (default): by Inductor's own accounting (its lowering, scheduler and memory
+#      estimate) where Inductor compiles the graph, and the budget's graphs are held at or
+#      below no budget's and stock's knapsack's (activation_budget/ceiling.py); elsewhere
+#      by the fx model.  "fx": the fx model everywhere, no ceiling.
+activation_budget_accounting: str = "auto"
 
 # Under an activation memory budget (ambient, around the compiled call or in config), compute
 # a language model's loss head (the LM head's matmul, an optional soft-cap / upcast / scale,

@@ -53,7 +53,8 @@ from torch_patches._functorch._aot_autograd import (
     saved_tensor_records as records,
     utils as hook_utils,
 )
-from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
+from torch_patches._functorch._aot_autograd.activation_budget import ceiling, partition_choice
+from torch_patches._functorch._aot_autograd.activation_budget.inductor_accounting import Pricing
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, trial_trace  # noqa: F401 - public
 
@@ -132,15 +133,19 @@ def maybe_inline_graph_saved_tensors_hooks(
         # default, or the partitioner's cheap recomputation or knapsack redone from its offer;
         # the modules take its graphs.
         offer = compile_facts.take_partition_offer()
-        choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms())
+        budgeted = ambient is not None and ambient.kind.budget is not None
+        pricing = Pricing.for_compilation(fw_module, inner_meta, static_input_indices) if budgeted else Pricing(False)
+        choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms(), pricing=pricing)
         context = (num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices)
         if offer is not None and ambient is not None:
             trial = functools.partial(inline_phases.trial_plans, context=context, ambient=ambient)
             choice = partition_choice.choose_partition(
-                offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial
+                offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial, pricing
             )
         held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)  # of the partition taken
         inline_phases.inline(fw_module, bw_module, *context, ambient, held, choice.recomputed, choice.terms)
+        if pricing.enabled and snapshot is not None:
+            ceiling.hold_to_ceiling(fw_module, bw_module, snapshot, offer, context, pricing)
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
         if (

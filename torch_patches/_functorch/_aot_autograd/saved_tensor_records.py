@@ -333,6 +333,13 @@ class BudgetPlanSummary:
     donated_inputs: tuple[str, ...] = ()
     predicted_peak_bytes: int | None = None
     predicted_peak_at: str = ""
+    #: The step's peak of the graphs as compiled, by Inductor's accounting, and where
+    #: (``activation_budget/inductor_accounting.py``; None where nothing priced them), and
+    #: the ceiling's verdict in words: which accounting priced the plan, against what, and
+    #: whether it stands or was withdrawn (``activation_budget/ceiling.py``).
+    accounted_peak_bytes: int | None = None
+    accounted_peak_at: str = ""
+    accounting: str = ""
 
     def copies(self) -> str:
         """The offloads' copies in words (empty without offloads)."""

@@ -28,6 +28,12 @@ The choice, in order:
   knapsack is taken.  Never a partition that peaks above the default without a budget, nor
   one that recomputes a random op or reads an input the forward mutates.
 
+Each partition without a plan (the default, the cheap recomputation, the knapsack) is
+priced by Inductor's own accounting where Inductor compiles the graph
+(:mod:`.inductor_accounting`, through the driver's ``Pricing``), else by the fx model
+(:func:`~.step_peak.unplanned_peak`); the prices stay on the choice for the ceiling
+(:mod:`.ceiling`), which holds the plan's graphs to the lower of the default and the knapsack.
+
 Compile time only.
 """
 
@@ -43,6 +49,7 @@ from torch import fx
 from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import utils as hook_utils
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates, graph_compute_ms
+from torch_patches._functorch._aot_autograd.activation_budget.inductor_accounting import Accounted, Pricing
 from torch_patches._functorch._aot_autograd.activation_budget.recompute import draws_random
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.step_peak import unplanned_peak
@@ -74,6 +81,9 @@ class PartitionChoice:
 
     terms: PartitionTerms
     recomputed: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
+    #: The accounting the partitions were priced by, with their prices (the ceiling reads
+    #: the default's and the knapsack's).
+    pricing: Pricing = dataclasses.field(default_factory=lambda: Pricing(False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +94,10 @@ class _Graphs:
     bw: fx.GraphModule
     num_fwd_outputs: int
     static_input_indices: list[int]
-    #: What the rest of the step holds after the forward (:func:`_grad_outputs_bytes`).
+    #: What the rest of the step holds after the forward (:func:`grad_outputs_bytes`).
     after: int
+    #: How partitions are priced (:mod:`.inductor_accounting`).
+    pricing: Pricing
 
 
 def choose_partition(
@@ -96,17 +108,20 @@ def choose_partition(
     inner_meta: object,
     static_input_indices: list[int],
     trial: Trial,
+    pricing: Pricing | None = None,
 ) -> PartitionChoice:
     """The partition the ambient budget plans (module docstring): ``fw_module`` and
-    ``bw_module`` take the graphs of the partition taken, if not the default."""
-    stands = PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio))
+    ``bw_module`` take the graphs of the partition taken, if not the default.  ``pricing``:
+    how partitions are priced (:mod:`.inductor_accounting`; None: the fx model)."""
+    pricing = pricing or Pricing(False)
+    stands = PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio), pricing=pricing)
     if getattr(inner_meta, "tokens", None):
         return stands
     if any("rng_state" in n.name for m in (fw_module, bw_module) for n in m.graph.find_nodes(op="placeholder")):
         return stands
-    graphs = _Graphs(fw_module, bw_module, num_fwd_outputs, static_input_indices, _grad_outputs_bytes(fw_module, inner_meta))
+    graphs = _Graphs(fw_module, bw_module, num_fwd_outputs, static_input_indices, grad_outputs_bytes(fw_module, inner_meta), pricing)
     if offer.cheap_met and _cheap_holds_no_more(offer, graphs):
-        return PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio, ratio=offer.cheap_ratio))
+        return PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio, ratio=offer.cheap_ratio), pricing=pricing)
     return _weigh_knapsack(offer, graphs, trial, stands)
 
 
@@ -118,28 +133,30 @@ def _cheap_holds_no_more(offer: PartitionOffer, graphs: _Graphs) -> bool:
     if isinstance(made, str):
         artifact.debug("budget %.3g: the partitioner's cheap recomputation could not be redone (%s)", offer.fraction, made)
         return False
-    none = _unplanned_score(graphs.fw, graphs.bw, graphs, False)
-    cheap = _unplanned_score(made[0], made[1], graphs, False)
+    none = _unplanned_score(graphs.fw, graphs.bw, graphs, False, "default")
+    cheap = _unplanned_score(made[0], made[1], graphs, False, "cheap")
     if cheap > none * (1 + PEAK_TOLERANCE):
         artifact.debug(
             "budget %.3g: the partitioner's cheap recomputation (%.3f of the activation bytes) kept out: its step "
-            "peaks at %d B, above the %d B of the default partition without a budget",
+            "peaks at %d B, above the %d B of the default partition without a budget (priced by %s)",
             offer.fraction,
             offer.cheap_ratio,
             cheap,
             none,
+            graphs.pricing.name,
         )
         return False
     artifact.debug(
         "budget %.3g met by the partitioner's cheap recomputation (exact): it saves %.3f of the activation bytes "
-        "(its step peaks at %d B, the default partition's at %d B)",
+        "(its step peaks at %d B, the default partition's at %d B, priced by %s)",
         offer.fraction,
         offer.cheap_ratio,
         cheap,
         none,
+        graphs.pricing.name,
     )
-    _adopt(graphs.fw, made[0])
-    _adopt(graphs.bw, made[1])
+    adopt(graphs.fw, made[0])
+    adopt(graphs.bw, made[1])
     return True
 
 
@@ -156,9 +173,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
         log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s); the plan stands", offer.fraction, made)
         return stands
     fw_k, bw_k = made
-    if any(draws_random(n) for n in bw_k.graph.nodes) or (
-        _backward_reads_mutated(fw_k, bw_k) - _backward_reads_mutated(graphs.fw, graphs.bw)
-    ):
+    if unsafe(fw_k, bw_k, (graphs.fw.graph, graphs.bw.graph)):
         # Upstream's knapsack recomputes random ops without their RNG state, and ops reading
         # an input the forward mutates, after the mutation (stock's activation_memory_budget
         # then computes other gradients).
@@ -170,23 +185,32 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     knapsack_terms = dataclasses.replace(default_terms, ratio=ratio)
     theirs, taken_records = trial(fw_k, bw_k, knapsack_terms)
     extra = _extra_ms((graphs.fw, graphs.bw), (fw_k, bw_k))
-    none = _unplanned_score(graphs.fw, graphs.bw, graphs, ours[0].bounded_at == Bounds.FORWARD_END)
-    taken, why = _better(ours, theirs, extra, graphs.after, none)
+    forward_end = ours[0].bounded_at == Bounds.FORWARD_END
+    none = _unplanned_score(graphs.fw, graphs.bw, graphs, forward_end, "default")
+    accounted = graphs.pricing.of("knapsack", fw_k, bw_k)
+    knap_score = None if accounted is None else accounted.score(forward_end, graphs.after)
+    taken, why = _better(ours, theirs, extra, graphs.after, none, knap_score)
     cap = None
     if taken is None:  # exact, holding less, but slower than the lossy plan and its margin
         refit = lambda c: trial(graphs.fw, graphs.bw, dataclasses.replace(default_terms, cap=c))[0]  # noqa: E731
-        taken, why, cap = _fit_under(theirs[0], ours[0], why, graphs.after, extra, refit)
-    artifact.debug("budget %.3g: the partitioner's knapsack (%.3f of the activation bytes) %s", offer.fraction, ratio, why)
+        taken, why, cap = _fit_under(theirs[0], ours[0], why, graphs.after, extra, refit, knap_score)
+    artifact.debug(
+        "budget %.3g: the partitioner's knapsack (%.3f of the activation bytes) %s (priced by %s)",
+        offer.fraction,
+        ratio,
+        why,
+        graphs.pricing.name,
+    )
     if not taken:
-        return PartitionChoice(dataclasses.replace(default_terms, cap=cap))
-    _adopt(graphs.fw, fw_k)
-    _adopt(graphs.bw, bw_k)
+        return PartitionChoice(dataclasses.replace(default_terms, cap=cap), pricing=graphs.pricing)
+    adopt(graphs.fw, fw_k)
+    adopt(graphs.bw, bw_k)
     kept = {r.name for r in taken_records}
     why = f"recomputed by the partitioner: its knapsack at {offer.fraction:g} (activation_memory_budget's own) {why}"
     dropped = [r for r in default_records if r.name not in kept and not r.is_input]
     for r in dropped:
         r.leave(DecidedBy.PARTITIONER, why, RECOMPUTED)
-    return PartitionChoice(knapsack_terms, dropped)
+    return PartitionChoice(knapsack_terms, dropped, graphs.pricing)
 
 
 # ------------------------------------------------------------ the partitions, redone and scored
@@ -195,19 +219,34 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
 def _repartition(offer: PartitionOffer, fraction: float, graphs: _Graphs) -> tuple[fx.GraphModule, fx.GraphModule] | str:
     """The partitioner's own partition of the offer's joint graph under
     ``activation_memory_budget = fraction``, or why it could not be made."""
+    return partition(offer, fraction, graphs.num_fwd_outputs, graphs.static_input_indices)
+
+
+def partition(
+    offer: PartitionOffer, fraction: float, num_fwd_outputs: int, static_input_indices: list[int]
+) -> tuple[fx.GraphModule, fx.GraphModule] | str:
     try:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             return torch._functorch.partitioners.min_cut_rematerialization_partition(
                 offer.joint_module,
                 None,
-                num_fwd_outputs=graphs.num_fwd_outputs,
-                static_lifetime_input_indices=graphs.static_input_indices,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static_input_indices,
             )
     except Exception as e:  # noqa: BLE001 - the default partition stands; said in the log
         return f"{type(e).__name__}: {e}"
 
 
-def _adopt(dst: fx.GraphModule, src: fx.GraphModule) -> None:
+def unsafe(fw: fx.GraphModule, bw: fx.GraphModule, default: tuple[fx.Graph, fx.Graph]) -> bool:
+    """Whether a partition recomputes a random op, or an op reading an input the forward
+    mutates that the default partition (its graphs ``default``) does not read in its
+    backward: both give other gradients than the default partition."""
+    return any(draws_random(n) for n in bw.graph.nodes) or bool(
+        _backward_reads_mutated(fw.graph, bw.graph) - _backward_reads_mutated(*default)
+    )
+
+
+def adopt(dst: fx.GraphModule, src: fx.GraphModule) -> None:
     """``dst`` (a partitioned graph module the caller holds) takes ``src``'s graph and the
     attributes that graph reads."""
     dst.graph = src.graph
@@ -223,12 +262,12 @@ def _adopt(dst: fx.GraphModule, src: fx.GraphModule) -> None:
     dst.meta.update(src.meta)
 
 
-def _backward_reads_mutated(fw_module: fx.GraphModule, bw_module: fx.GraphModule) -> set[str]:
+def _backward_reads_mutated(fw_g: fx.Graph, bw_g: fx.Graph) -> set[str]:
     """The inputs the forward mutates that the backward takes (by the forward's names)."""
-    return hook_utils.mutated_inputs(fw_module.graph) & {n.name for n in bw_module.graph.find_nodes(op="placeholder")}
+    return hook_utils.mutated_inputs(fw_g) & {n.name for n in bw_g.find_nodes(op="placeholder")}
 
 
-def _grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
+def grad_outputs_bytes(fw_module: fx.GraphModule, inner_meta: object) -> int:
     """What the rest of the step holds at least after this graph's forward, when the graph
     does not end it: twice the bytes of the outputs that require grad (they and their
     gradients).  A graph returning a scalar that requires grad returns its step's loss: the
@@ -255,7 +294,7 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
     graph that is one of several) the bytes it holds there, then its predicted peak.  Else
     the step's peak as far as this graph sees it: its own predicted peak, or what it holds
     at its forward's end while the rest of the step reads its outputs (``after_bytes``,
-    :func:`_grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
+    :func:`grad_outputs_bytes`: a loss after a graph break reads the logits), whichever is
     more; then its own predicted peak."""
     predicted = plan.predicted[0] if plan.predicted else plan.peak[0]
     if plan.bounded_at == Bounds.FORWARD_END:
@@ -263,9 +302,20 @@ def _score(plan: Plan, after_bytes: int) -> tuple[int, int]:
     return max(predicted, plan.predicted_bytes + after_bytes), predicted
 
 
-def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, forward_end: bool) -> int:
+def _knapsack_score(knap: Plan, after: int, accounted: int | None) -> tuple[int, int]:
+    """The knapsack's :func:`_score`, its first term Inductor's accounting where given."""
+    score = _score(knap, after)
+    return score if accounted is None else (accounted, score[1])
+
+
+def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, forward_end: bool, role: str) -> int:
     """A partition's score (:func:`_score`) without a plan: its bytes at the forward's end
-    where the budget bounds that, else the step's peak as the graph sees it."""
+    where the budget bounds that, else the step's peak as the graph sees it; by Inductor's
+    accounting where the graphs price by it (``role``: the partition's, priced once), else
+    by the fx model."""
+    accounted: Accounted | None = graphs.pricing.of(role, fw, bw)
+    if accounted is not None:
+        return accounted.score(forward_end, graphs.after)
     saved = [n for n in hook_utils.graph_outputs(fw.graph)[graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
     names = {n.name for n in saved}
     bw_saved = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in names]
@@ -285,7 +335,7 @@ def _extra_ms(default: tuple[fx.GraphModule, fx.GraphModule], knapsack: tuple[fx
 
 
 def _better(
-    ours: list[Plan], theirs: list[Plan], extra: tuple[float, float], after: int, none: int | None = None
+    ours: list[Plan], theirs: list[Plan], extra: tuple[float, float], after: int, none: int | None = None, knap_score: int | None = None
 ) -> tuple[bool | None, str]:
     """Whether the knapsack's partition (its plan ``theirs``) is taken over the default's
     (``ours``), and why in words.  Where our plan misses the budget: the lower score
@@ -294,11 +344,12 @@ def _better(
     ``config.activation_budget_lossy_margin`` of the graph's compute (the least lossy plan's
     rule, :func:`~.planner.choose`; ``extra``: :func:`_extra_ms`).  None where it costs more
     than that but holds less than our plan, or where both are exact and it holds less: our
-    plan is fitted under it (:func:`_fit_under`)."""
+    plan is fitted under it (:func:`_fit_under`).  ``knap_score``: the knapsack's score by
+    Inductor's accounting, where it prices (else its plan's prediction)."""
     if len(theirs) != 1 or theirs[0].lossy:
         return False, "kept out: its plan is not exact"
     mine, knap = ours[0], theirs[0]
-    scores = _score(knap, after), _score(mine, after)
+    scores = _knapsack_score(knap, after, knap_score), _score(mine, after)
     if none is not None and scores[0][0] > none * (1 + PEAK_TOLERANCE):
         return False, f"kept out: it holds {scores[0][0]} B, above the {none} B of the default partition without a budget"
     if not mine.met:
@@ -338,7 +389,13 @@ def _in_time(mine: Plan, extra: tuple[float, float]) -> tuple[bool, float]:
 
 
 def _fit_under(
-    knap: Plan, mine: Plan, why: str, after: int, extra: tuple[float, float], refit: Callable[[tuple[int, bool]], list[Plan]]
+    knap: Plan,
+    mine: Plan,
+    why: str,
+    after: int,
+    extra: tuple[float, float],
+    refit: Callable[[tuple[int, bool]], list[Plan]],
+    knap_score: int | None = None,
 ) -> tuple[bool, str, tuple[int, bool] | None]:
     """Where the knapsack's partition (its plan ``knap``) holds less than our plan ``mine``
     (:func:`_score`) but recomputes more slowly than its time and margin (``extra``:
@@ -349,7 +406,7 @@ def _fit_under(
     Returns whether the knapsack is taken, why, and the cap the phases' plan is fitted under
     where it is not: that plan is kept where it reaches the knapsack's score and is still
     estimated faster by more than the margin; else the knapsack is taken."""
-    goal = _score(knap, after)[0]
+    goal = _knapsack_score(knap, after, knap_score)[0]
     cap = None
     for _ in range(3):  # the bytes the budget bounds and the step's peak move together, not 1:1
         held = _score(mine, after)[0]
