@@ -91,23 +91,30 @@ class TestInductorAccounting(TestCase):
         self.assertIn("at or below the default partition without a budget", plan.accounting)
 
 
+@contextlib.contextmanager
+def _plan_priced_above(above: bool = True):
+    """The plan's graphs priced as if they peaked ten times higher (the ceiling must withdraw
+    them); the other partitions as Inductor prices them."""
+    if not above:
+        yield
+        return
+    real = inductor_accounting.Pricing.of
+
+    def of(pricing, role, *args, **kwargs):
+        found = real(pricing, role, *args, **kwargs)
+        return Accounted(10 * found.peak, 10 * found.forward_end, found.at) if role == "plan" and found else found
+
+    with mock.patch.object(inductor_accounting.Pricing, "of", of):
+        yield
+
+
 class TestCeiling(TestCase):
     def compile_step(self, device: str, above: bool) -> tuple[list, InductorAndRecordGraphs]:
-        """One compile of the thin MLP under ``budget(0.3)``; ``above``: the plan's graphs
-        priced as if they peaked above everything (the ceiling must withdraw them)."""
+        """One compile of the thin MLP under ``budget(0.3)`` (:func:`_plan_priced_above`)."""
         x = torch.randn(128, 512, device=device, requires_grad=True)
         model = _Thin().to(device)
         backend = InductorAndRecordGraphs(kernels=False)
-        real = inductor_accounting.Pricing.of
-
-        def of(pricing, role, *args, **kwargs):
-            found = real(pricing, role, *args, **kwargs)
-            if role == "plan" and found is not None and above:
-                return Accounted(10 * found.peak, 10 * found.forward_end, found.at)
-            return found
-
-        patched = mock.patch.object(inductor_accounting.Pricing, "of", of) if above else contextlib.nullcontext()
-        with patched, tp_config.patch(activation_memory_budget=0.3):
+        with _plan_priced_above(above), tp_config.patch(activation_memory_budget=0.3):
             plans = _plans(lambda: torch.compile(model, backend=backend)(x).sum().backward())
         return plans, backend
 
@@ -125,15 +132,8 @@ class TestCeiling(TestCase):
     def test_withdrawn_records_say_why(self, device: str) -> None:
         x = torch.randn(128, 512, device=device, requires_grad=True)
         model = _Thin().to(device)
-        real = inductor_accounting.Pricing.of
-
-        def of(pricing, role, *args, **kwargs):
-            found = real(pricing, role, *args, **kwargs)
-            return Accounted(10 * found.peak, 10 * found.forward_end, found.at) if role == "plan" and found else found
-
-        with mock.patch.object(inductor_accounting.Pricing, "of", of), tp_config.patch(activation_memory_budget=0.3):
-            with saved_tensor_records() as found:
-                torch.compile(model, backend=InductorAndRecordGraphs(kernels=False))(x).sum().backward()
+        with _plan_priced_above(), tp_config.patch(activation_memory_budget=0.3), saved_tensor_records() as found:
+            torch.compile(model, backend=InductorAndRecordGraphs(kernels=False))(x).sum().backward()
         records = [r for g in found for r in g.records]
         self.assertTrue(records)
         self.assertFalse([r for r in records if r.decision == "hooked"])
@@ -146,13 +146,7 @@ class TestCeiling(TestCase):
         model(x).sum().backward()
         expected = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        real = inductor_accounting.Pricing.of
-
-        def of(pricing, role, *args, **kwargs):
-            found = real(pricing, role, *args, **kwargs)
-            return Accounted(10 * found.peak, 10 * found.forward_end, found.at) if role == "plan" and found else found
-
-        with mock.patch.object(inductor_accounting.Pricing, "of", of), tp_config.patch(activation_memory_budget=0.3):
+        with _plan_priced_above(), tp_config.patch(activation_memory_budget=0.3):
             torch.compile(model, backend="inductor")(x).sum().backward()
         for got, want in zip((p.grad for p in model.parameters()), expected):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -209,9 +203,9 @@ class TestGeneratedSteps(TestCase):
 
     @pytest.mark.slow
     def test_generated_steps(self, device: str) -> None:
-        for seed in range(12):
+        for seed in range(4):
             with self.subTest(seed=seed):
-                self.check(seed, (0.5, 0.3, 0.1), device)
+                self.check(seed, (0.5, 0.1), device)
 
 
 class TestTheIssuesThinMLP(TestCase):

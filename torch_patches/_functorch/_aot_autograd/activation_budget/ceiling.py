@@ -13,7 +13,8 @@ could have had instead:
   ``torch._functorch.config.activation_memory_budget = F`` compiles), where it recomputes
   no random op and reads no input the forward mutates (those compute other gradients).
 
-The budget's graphs stand where their score is at or below the lower of the two (the score
+The budget's graphs stand where their score is at or below the lower of the two, to the
+estimate's rounding (:data:`PEAK_TOLERANCE`, :data:`SLACK_BYTES`; the score
 of :meth:`~.inductor_accounting.Accounted.score`: the step's peak, or the forward's end for
 a graph that is one of several).  Else the plan is withdrawn: the graphs become the lower
 of the two, unchanged by any hook, and the plan's summary, its records and the log say so
@@ -50,6 +51,12 @@ __all__ = ["Alternative", "alternatives", "hold", "hold_to_ceiling"]
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch.partitioners"
+
+#: How far above the lower alternative the plan's graphs may score and stand: the estimate's
+#: rounding (a stored form's buffer beside its tensor in a kernel), 0.5% or 64 KiB, whichever
+#: is more; a plan priced above that is withdrawn.
+PEAK_TOLERANCE = 0.005
+SLACK_BYTES = 64 << 10
 
 
 @dataclasses.dataclass
@@ -144,7 +151,7 @@ def hold(
     theirs = lowest.priced.score(forward_end, after)
     what = "its forward's end" if forward_end else "the step's peak"
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-    if mine <= theirs:
+    if mine <= theirs + max(PEAK_TOLERANCE * theirs, SLACK_BYTES):
         words = f"priced by {pricing.name}: {what} {nbytes_in_words(mine)}, at or below {_words(alternatives, forward_end, after)}"
         compiled.plans[at] = dataclasses.replace(plan, accounted_peak_bytes=ours.peak, accounted_peak_at=ours.at, accounting=words)
         artifact.debug("budget plan (%s): %s", plan.scope, words)

@@ -35,16 +35,18 @@ from torch.utils._ordered_set import OrderedSet
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookConfigError
 from torch_patches._functorch._aot_autograd import activation_inputs as act_inputs
-from torch_patches._functorch._aot_autograd.donated_inputs import owned_or_copy
 from torch_patches._functorch._aot_autograd.utils import graph_outputs, is_incoming_gradient, nbytes_of
-from torch_patches.hooks import offload
 
 __all__ = ["Accounted", "Pricing", "price", "uses_inductor"]
 
 log = logging.getLogger(__name__)
 
-#: Ops whose outputs are host memory (``torch_patches.hooks.cpu_offload``'s copies out).
-_HOST_COPIES = frozenset({offload.offload._opoverload})
+#: Ops whose outputs are host memory (``torch_patches.hooks.cpu_offload``'s copies out), by
+#: their schema's name.
+_HOST_COPIES = frozenset({"saved_tensors_hooks::offload"})
+#: Ops returning the input they are given where they run (``donated_inputs.owned_or_copy``:
+#: the backward's own donated input), by their schema's name.
+_RETURN_THEIR_INPUT = frozenset({"saved_tensors_hooks::owned_or_copy"})
 
 #: The accounting's name in the plan's summary and the log.
 INDUCTOR = "Inductor's scheduler"
@@ -158,9 +160,9 @@ def _off_the_device(nodes: list[Any], held: set[str]) -> None:
     for node in nodes:
         for buf in node.get_outputs():
             ir_node = buf.node
-            op = getattr(ir_node, "op_overload", None)
+            op = getattr(getattr(getattr(ir_node, "op_overload", None), "_schema", None), "name", None)
             aliases = list(getattr(ir_node, "get_inputs_that_alias_output", lambda: ())())
-            if not aliases and op is owned_or_copy:
+            if not aliases and op in _RETURN_THEIR_INPUT:
                 aliases = [getattr(t, "get_name", lambda: "")() for t in getattr(ir_node, "inputs", ())]
             if (aliases and all(a in held for a in aliases)) or op in _HOST_COPIES:
                 buf.mpi_buffer.size_alloc = buf.mpi_buffer.size_free = 0
