@@ -79,21 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds a step's process may run")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for seed in _seeds(args.seeds):
         row = run_step(seed, args)
         rows.append(row)
+        _write(args, rows)  # after every step: a run cut by its timeout keeps what it measured
         if "error" in row:
             print(f"seed {seed}: FAILED {row['error']}", flush=True)
             continue
         peaks = " ".join(f"{k}={v / 2**20:.1f}" for k, v in row["peaks"].items())
         print(f"{row['describe']}\n  MiB: {peaks}  {row['seconds']} s  {'; '.join(row['violations']) or 'holds'}", flush=True)
-    result = {"summary": summary(rows), "torch": _torch_version(), "device": args.device, "small": args.small, "rows": rows}
-    print(json.dumps(result["summary"]))
+    print(json.dumps(summary(rows)))
+    return 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     if args.json:
+        result = {"summary": summary(rows), "torch": _torch_version(), "device": args.device, "small": args.small, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
 
 
 def _torch_version() -> str:

@@ -23,7 +23,8 @@
 # some of its rows), tests about three and a half (TESTS_K selects some): run them as two calls
 # (STAGES=llama, then STAGES=tests) where one command may run at most ten minutes.
 # STAGES="table" (say) runs a subset; STAGES="head" the loss head at a 128k vocabulary (two
-# sweeps of three rows side by side, each row a fresh process: a few minutes).
+# sweeps of three rows side by side, each row a fresh process: a few minutes); STAGES="promise"
+# the budget's promise over generated steps (benchmarks.budget_promise on CUDA).
 # Writes pytest's report, the failures, the tables and their JSON under $OUT (default:
 # ./gpu-check).
 set -u
@@ -105,6 +106,17 @@ for call in hf_default torchtitan; do
     echo "head $call:"
     grep -E "^\| 0.1|no hooks|above|planned|Error| llama " "$OUT/head/$call.log"
 done
+}
+
+stage_promise() {
+# The budget's promise on CUDA (issue 78): generated steps (benchmarks.budget_promise), each in a
+# fresh process, no budget / stock's knob / budget(F) at 0.5 and 0.1 by max_memory_allocated;
+# PROMISE_SEEDS (default 0-23) names them. Prints each step's verdict and the counts.
+mkdir -p "$OUT/promise"
+timeout "${PROMISE_TIMEOUT:-300}" python3 -m benchmarks.budget_promise --seeds "${PROMISE_SEEDS:-0-23}" --fractions 0.5,0.1 \
+    --device cuda --timeout 120 --json "$OUT/promise/promise.json" > "$OUT/promise/promise.log" 2>&1
+echo "promise rc=$?"
+grep -E "above|FAILED|^\{" "$OUT/promise/promise.log" | tail -12
 }
 
 # The stages in the order STAGES names them.
