@@ -20,7 +20,8 @@ a graph that is one of several).  Else the plan is withdrawn: the graphs become 
 of the two, unchanged by any hook, and the plan's summary, its records and the log say so
 and by how much.  So ``budget(F)`` is at or below both by construction, to the accuracy of
 Inductor's own estimate.  Only where the backend is Inductor
-(``config.activation_budget_accounting``); elsewhere nothing is priced and the plan stands.
+(``config.activation_budget_accounting``); elsewhere nothing is priced and the plan stands, and
+so it does beside hooks entered inside the compiled region (withdrawing would drop them).
 
 Compile time only.
 """
@@ -139,6 +140,10 @@ def hold(
     if compiled is None or at is None or not alternatives:
         return None
     plan = compiled.plans[at]
+    facts = compile_facts.facts()
+    if facts is not None and facts.scopes:  # withdrawing would drop the hooks entered in the region
+        compiled.plans[at] = dataclasses.replace(plan, accounting="hooks entered in the region beside it: not held to a ceiling")
+        return None
     forward_end = plan.bounded_at == Bounds.FORWARD_END
     ours = pricing.of("plan", fw_module, bw_module)
     if ours is None:
