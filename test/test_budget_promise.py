@@ -56,6 +56,7 @@ def _plans(fn) -> list:
 
 
 class TestInductorAccounting(TestCase):
+    @pytest.mark.slow  # two compiles; the fast tier keeps the cheaper checks of the same path
     def test_only_where_inductor_compiles(self, device: str) -> None:
         x = torch.randn(128, 512, device=device, requires_grad=True)
         model = _Thin().to(device)
@@ -118,6 +119,7 @@ class TestCeiling(TestCase):
             plans = _plans(lambda: torch.compile(model, backend=backend)(x).sum().backward())
         return plans, backend
 
+    @pytest.mark.slow  # two compiles; the fast tier keeps the cheaper checks of the same path
     def test_a_plan_priced_above_is_withdrawn(self, device: str) -> None:
         (plan,), backend = self.compile_step(device, above=True)
         self.assertIn("withdrawn: priced by Inductor's scheduler", plan.accounting)
