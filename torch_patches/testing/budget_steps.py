@@ -275,12 +275,6 @@ def violations(m: Measured) -> list[str]:
     return found
 
 
-def planned_within(m: Measured, tolerance: float = 0.1) -> dict[str, bool]:
-    """Per budget row with a single graph's plan: whether its planned peak is within
-    ``tolerance`` of the measured one."""
-    return {row: abs(m.planned[row] - m.peaks[row]) <= tolerance * m.peaks[row] for row in m.planned if row.startswith("budget")}
-
-
 def as_json(m: Measured) -> dict[str, Any]:
     return {
         "step": dataclasses.asdict(m.step),

@@ -60,6 +60,11 @@ class GraphPairSnapshot:
         self.inner_meta = inner_meta
         self.modules = [(m, copy.deepcopy(m.graph), _attribute_names(m), dict(m.meta)) for m in (fw_module, bw_module)]
 
+    @property
+    def graphs(self) -> tuple[fx.Graph, fx.Graph]:
+        """The copies of the forward's and the backward's graphs as they were handed over."""
+        return self.modules[0][1], self.modules[1][1]
+
     def restore(self) -> None:
         for module, graph, names, meta in self.modules:
             for table, name in _attribute_names(module) - names:

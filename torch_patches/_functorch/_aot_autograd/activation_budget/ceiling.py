@@ -216,12 +216,11 @@ def hold_to_ceiling(
     pricing: Pricing,
 ) -> None:
     """The inliner driver's call: the budget's graphs as the phases wrote them, held at or
-    below the default partition without a budget (the graphs of ``snapshot``, the driver's
+    below the default partition without a budget (the graphs of the driver's ``snapshot``, an
     ``inline_fallback.GraphPairSnapshot``, which puts them back) and stock's knapsack at the
     fraction of ``offer``, priced by ``pricing``.  ``context``: the graph pair's number of
     forward outputs, ``ViewAndMutationMeta``, AOT config and static input indices."""
     num_fwd_outputs, inner_meta, _, static_input_indices = context
-    default = (snapshot.modules[0][1], snapshot.modules[1][1])
-    found = alternatives(offer, (fw_module, bw_module), default, num_fwd_outputs, static_input_indices, pricing)
+    found = alternatives(offer, (fw_module, bw_module), snapshot.graphs, num_fwd_outputs, static_input_indices, pricing)
     after = partition_choice.grad_outputs_bytes(fw_module, inner_meta)
     hold(fw_module, bw_module, pricing, found, snapshot.restore, after, num_fwd_outputs)

@@ -116,8 +116,8 @@ def price(
 def _live_bytes(copy: fx.GraphModule, is_backward: bool) -> tuple[list[int], list[str]]:
     """The bytes alive at each of Inductor's scheduler nodes for the graph of ``copy`` (which
     Inductor's passes rewrite; the last entry: after every node ran, the outputs), and the
-    nodes' names.  Inductor is imported
-    here, as ``torch.compile`` imports it: on first use, not when torch_patches is."""
+    nodes' names.  Inductor is imported here, as ``torch.compile`` imports it: on first
+    use, not when torch_patches is."""
     from torch._inductor import memory
     from torch._inductor.compile_fx import _recursive_post_grad_passes
     from torch._inductor.debug import DebugContext
@@ -234,5 +234,12 @@ class Pricing:
         if not self.enabled:
             return None
         if role not in self.priced:
-            self.priced[role] = price_or_none(fw_module, bw_module, f"the {role} partition", graphs, self.activation_inputs)
+            self.priced[role] = found = price_or_none(fw_module, bw_module, f"the {role} partition", graphs, self.activation_inputs)
+            if found is not None:
+                log.debug("the %s partition priced by %s in %.2f s: %s", role, INDUCTOR, found.seconds, found)
         return self.priced[role]
+
+    def rule_out(self, role: str) -> None:
+        """``role``'s partition is not one to price or hold a plan against (the knapsack
+        where it recomputes a random op or reads a mutated input)."""
+        self.priced[role] = None

@@ -129,7 +129,7 @@ def _cheap_holds_no_more(offer: PartitionOffer, graphs: _Graphs) -> bool:
     """Whether the cheap recomputation (redone from the offer) peaks no higher than the
     default partition without a budget; if so the graphs take it."""
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-    made = _repartition(offer, offer.cheap_budget, graphs)
+    made = partition(offer, offer.cheap_budget, graphs.num_fwd_outputs, graphs.static_input_indices)
     if isinstance(made, str):
         artifact.debug("budget %.3g: the partitioner's cheap recomputation could not be redone (%s)", offer.fraction, made)
         return False
@@ -168,12 +168,14 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     if len(ours) != 1:
         return stands
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-    made = _repartition(offer, offer.fraction, graphs)
+    made = partition(offer, offer.fraction, graphs.num_fwd_outputs, graphs.static_input_indices)
     if isinstance(made, str):
+        graphs.pricing.rule_out("knapsack")  # not made again for the ceiling
         log.warning("budget %.3g: the partitioner's knapsack could not be weighed (%s); the plan stands", offer.fraction, made)
         return stands
     fw_k, bw_k = made
     if unsafe(fw_k, bw_k, (graphs.fw.graph, graphs.bw.graph)):
+        graphs.pricing.rule_out("knapsack")  # the ceiling holds the plan against it neither
         # Upstream's knapsack recomputes random ops without their RNG state, and ops reading
         # an input the forward mutates, after the mutation (stock's activation_memory_budget
         # then computes other gradients).
@@ -216,15 +218,11 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
 # ------------------------------------------------------------ the partitions, redone and scored
 
 
-def _repartition(offer: PartitionOffer, fraction: float, graphs: _Graphs) -> tuple[fx.GraphModule, fx.GraphModule] | str:
-    """The partitioner's own partition of the offer's joint graph under
-    ``activation_memory_budget = fraction``, or why it could not be made."""
-    return partition(offer, fraction, graphs.num_fwd_outputs, graphs.static_input_indices)
-
-
 def partition(
     offer: PartitionOffer, fraction: float, num_fwd_outputs: int, static_input_indices: list[int]
 ) -> tuple[fx.GraphModule, fx.GraphModule] | str:
+    """The partitioner's own partition of the offer's joint graph under
+    ``activation_memory_budget = fraction``, or why it could not be made."""
     try:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             return torch._functorch.partitioners.min_cut_rematerialization_partition(
