@@ -31,19 +31,16 @@ contract live in ``hook_tracing``, the graph rewrite in ``graph_surgery``, graph
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
 
 from torch_patches import config
 from torch_patches._errors import SavedTensorsHookError, SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd import (
-    activation_budget,
     activation_inputs as act_inputs,
     compile_facts,
     hook_identity as hook_keys,
@@ -54,9 +51,11 @@ from torch_patches._functorch._aot_autograd import (
     utils as hook_utils,
 )
 from torch_patches._functorch._aot_autograd.activation_budget import ceiling, partition_choice
-from torch_patches._functorch._aot_autograd.activation_budget.inductor_accounting import Pricing
 from torch_patches._functorch._aot_autograd.graph_surgery import HOOK_META  # noqa: F401 - public
 from torch_patches._functorch._aot_autograd.hook_tracing import HookPair, trial_trace  # noqa: F401 - public
+
+if TYPE_CHECKING:
+    from torch._functorch._aot_autograd.schemas import AOTConfig, ViewAndMutationMeta
 
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
@@ -113,11 +112,11 @@ def _ambient_pair() -> HookPair | None:
 
 
 def maybe_inline_graph_saved_tensors_hooks(
-    fw_module: fx.GraphModule,
-    bw_module: fx.GraphModule,
+    fw_module: torch.fx.GraphModule,
+    bw_module: torch.fx.GraphModule,
     num_inner_fwd_outputs: int,
-    inner_meta: Any,
-    aot_config: Any,
+    inner_meta: ViewAndMutationMeta,
+    aot_config: AOTConfig,
     static_input_indices: list[int],
 ) -> None:
     if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
@@ -133,19 +132,12 @@ def maybe_inline_graph_saved_tensors_hooks(
         # default, or the partitioner's cheap recomputation or knapsack redone from its offer;
         # the modules take its graphs.
         offer = compile_facts.take_partition_offer()
-        budgeted = ambient is not None and ambient.kind.budget is not None
-        pricing = Pricing.for_compilation(fw_module, inner_meta, static_input_indices) if budgeted else Pricing(False)
-        choice = partition_choice.PartitionChoice(activation_budget.PartitionTerms(), pricing=pricing)
         context = (num_inner_fwd_outputs, inner_meta, aot_config, static_input_indices)
-        if offer is not None and ambient is not None:
-            trial = functools.partial(inline_phases.trial_plans, context=context, ambient=ambient)
-            choice = partition_choice.choose_partition(
-                offer, fw_module, bw_module, num_inner_fwd_outputs, inner_meta, static_input_indices, trial, pricing
-            )
+        choice = partition_choice.choose_partition(offer, fw_module, bw_module, context, ambient, inline_phases.trial_plans)
         held = act_inputs.held_by_caller(fw_module, inner_meta, static_input_indices)  # of the partition taken
         inline_phases.inline(fw_module, bw_module, *context, ambient, held, choice.recomputed, choice.terms)
-        if pricing.enabled and snapshot is not None:
-            ceiling.hold_to_ceiling(fw_module, bw_module, snapshot, offer, context, pricing)
+        if choice.pricing.enabled and snapshot is not None:
+            ceiling.hold_to_ceiling(fw_module, bw_module, snapshot, offer, context, choice.pricing)
     except SavedTensorsHookError as e:
         in_graph_scope = getattr(e, "scope", "ambient") != "ambient"
         if (

@@ -4,7 +4,7 @@ The partitioner patch (``torch_patches/_functorch/partitioners.py``) keeps the d
 partition and leaves a :class:`~torch_patches._functorch._aot_autograd.compile_facts.PartitionOffer`
 on the compilation's facts: the joint graph it ran on, the budget's fraction, the default
 partition's activation bytes and what its cheap recomputation saves.  The inliner's driver
-takes the offer and calls :func:`choose_partition` before the phases, with a ``trial``
+takes the offer and calls :func:`choose_partition` before the phases, with the ``trial``
 function that fits the budget's plans to a graph pair (``inline_phases.trial_plans``).  Data
 flows one way: the offer in, the graphs adopted and :class:`~.solver.PartitionTerms` out
 (the ratio the plan measures the budget against, the cap it is fitted under), which the
@@ -40,6 +40,7 @@ Compile time only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
@@ -54,6 +55,7 @@ from torch_patches._functorch._aot_autograd.activation_budget.recompute import d
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
 from torch_patches._functorch._aot_autograd.activation_budget.step_peak import unplanned_peak
 from torch_patches._functorch._aot_autograd.compile_facts import PartitionOffer
+from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 from torch_patches._functorch._aot_autograd.saved_tensor_records import RECOMPUTED, Bounds, DecidedBy, SavedTensorRecord
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,12 @@ PEAK_TOLERANCE = 0.005
 PREDICTION_MARGIN = 0.10
 
 #: Fits the budget's plans to a graph pair under the given terms: the ambient pair's plans
-#: and the saved tensors' records (``inline_phases.trial_plans``, bound by the driver).
+#: and the saved tensors' records (``inline_phases.trial_plans``, its ``context`` and
+#: ``ambient`` bound by :func:`choose_partition`).
 Trial = Callable[[fx.GraphModule, fx.GraphModule, PartitionTerms], tuple[list[Plan], list[SavedTensorRecord]]]
+#: :data:`Trial` before its keywords are bound (``inline_phases.trial_plans`` as the driver
+#: hands it).
+UnboundTrial = Callable[..., tuple[list[Plan], list[SavedTensorRecord]]]
 
 
 @dataclasses.dataclass
@@ -101,19 +107,24 @@ class _Graphs:
 
 
 def choose_partition(
-    offer: PartitionOffer,
+    offer: PartitionOffer | None,
     fw_module: fx.GraphModule,
     bw_module: fx.GraphModule,
-    num_fwd_outputs: int,
-    inner_meta: object,
-    static_input_indices: list[int],
-    trial: Trial,
-    pricing: Pricing | None = None,
+    context: tuple[int, object, object, list[int]],
+    ambient: HookPair | None,
+    trial: UnboundTrial,
 ) -> PartitionChoice:
     """The partition the ambient budget plans (module docstring): ``fw_module`` and
-    ``bw_module`` take the graphs of the partition taken, if not the default.  ``pricing``:
-    how partitions are priced (:mod:`.inductor_accounting`; None: the fx model)."""
-    pricing = pricing or Pricing(False)
+    ``bw_module`` take the graphs of the partition taken, if not the default.  ``context``:
+    the driver's (inner forward outputs, ``ViewAndMutationMeta``, AOT config, static input
+    indices).  Under a budget the choice carries how partitions are priced
+    (:mod:`.inductor_accounting`: Inductor's accounting where Inductor compiles, else the fx
+    model) for the ceiling."""
+    num_fwd_outputs, inner_meta, _, static_input_indices = context
+    budgeted = ambient is not None and ambient.kind.budget is not None
+    pricing = Pricing.for_compilation(fw_module, inner_meta, static_input_indices) if budgeted else Pricing(False)
+    if offer is None or ambient is None:
+        return PartitionChoice(PartitionTerms(), pricing=pricing)
     stands = PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio), pricing=pricing)
     if getattr(inner_meta, "tokens", None):
         return stands
@@ -122,7 +133,7 @@ def choose_partition(
     graphs = _Graphs(fw_module, bw_module, num_fwd_outputs, static_input_indices, grad_outputs_bytes(fw_module, inner_meta), pricing)
     if offer.cheap_met and _cheap_holds_no_more(offer, graphs):
         return PartitionChoice(PartitionTerms(cheap_ratio=offer.cheap_ratio, ratio=offer.cheap_ratio), pricing=pricing)
-    return _weigh_knapsack(offer, graphs, trial, stands)
+    return _weigh_knapsack(offer, graphs, functools.partial(trial, context=context, ambient=ambient), stands)
 
 
 def _cheap_holds_no_more(offer: PartitionOffer, graphs: _Graphs) -> bool:
