@@ -37,7 +37,7 @@ from torch_patches._functorch._aot_autograd import (
     compile_facts,
     graph_surgery,
     hook_tracing,
-    saved_tensor_records,
+    saved_tensor_collect,
 )
 from torch_patches._functorch._aot_autograd.activation_budget import partition_choice, planner
 from torch_patches.hooks import bf16, budget, inlineable
@@ -187,7 +187,7 @@ class TestInternalFallback(TestCase):
     # ------------------------------------------------------------- one per phase
 
     def test_collect(self, device):
-        self.check_budget((saved_tensor_records, "collect", failing))
+        self.check_budget((saved_tensor_collect, "collect", failing))
 
     def test_plan(self, device):
         self.check_budget((planner, "plan", failing))

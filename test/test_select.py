@@ -165,7 +165,7 @@ class TestSelect(TestCase):
     def test_records_name_the_module_that_computed_them(self, device):
         # Module paths as named_modules() gives them, whether the compiled module's frame
         # calls it self or fn (torch versions differ), through ModuleList and Sequential.
-        from torch_patches._functorch._aot_autograd.saved_tensor_records import named_module_path
+        from torch_patches._functorch._aot_autograd.saved_tensor_collect import named_module_path
         from torch_patches.testing import saved_tensor_records
 
         for source, path in (

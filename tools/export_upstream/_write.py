@@ -349,9 +349,10 @@ LARGE_REASONS = {
         "rewrite of the graph pair: any one alone leaves graphs that do not run"
     ),
     "add-inline_phases": (
-        "the inliner's phases over the saved-tensor records (filter, select, alias, place), with "
-        "the knobs and the dtype policy they read: a phase left out changes which saved tensors "
-        "are hooked, so half of them is not a smaller inliner but a different one"
+        "the driver of the inliner's phases over the saved-tensor records (collect, decide, "
+        "trace, rewrite, donate), with the knobs and the dtype policy they read: every hook "
+        "traced before either graph is touched is one step with the rewrite it feeds, so half "
+        "of it is not a smaller inliner but one that leaves graphs half rewritten"
     ),
     "add-saved_tensor_records": (
         "the record every phase fills in, with what reads it (the observers, the log line, the "

@@ -11,7 +11,7 @@ patch, entering it with inlineable hooks (``fx.GraphModule`` or functions marked
   Dynamo's ``FxTracebackAnnotateVariable``); AOTAutograd copies it onto the forward
   nodes and onto the backward nodes derived from them, nested scopes overwrite the key
   (inner wins);
-* AOTAutograd's inliner (``inline_phases.hooks_for_saved``) gives each saved tensor the
+* AOTAutograd's inliner (``saved_tensor_selection.hooks_for_saved``) gives each saved tensor the
   hooks of the scope of the backward op that reads it first -- the forward op that saved
   it, eager's rule (see :func:`scope_of`);
 * the hooks are guarded on their content at their source (a hook recreated every step

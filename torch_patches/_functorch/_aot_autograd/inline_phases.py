@@ -2,13 +2,14 @@
 
 ``graph_compile.maybe_inline_graph_saved_tensors_hooks`` (the patched entry point) calls
 :func:`inline` with the partitioned forward and backward graphs.  Its spine is one record
-per saved tensor (``saved_tensor_records``); each phase is a function over the records:
+per saved tensor (``saved_tensor_records``, made by ``saved_tensor_collect``); each phase is
+a function over the records:
 
 * filter: which saved tensors hooks may see (upstream's filtering mode, our dtype policy,
-  activations held by the caller);
-* select: what a ``select`` pair leaves each one, the numerics allowlist's verdict, the
-  budget's plan;
-* alias: views of one storage packed once;
+  activations held by the caller: ``saved_tensor_selection``);
+* select: what a ``select`` pair leaves each one (``saved_tensor_selection``), the numerics
+  allowlist's verdict, the budget's plan;
+* alias: views of one storage packed once (``saved_tensor_selection``);
 * place and rewrite: every hook traced before either graph is touched (``hook_tracing``),
   then each pack put right after its saved tensor's last forward use and each unpack right
   before its first backward use (``graph_surgery``), the hooks' lifted inputs mapped to the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -41,11 +42,12 @@ from torch_patches._functorch._aot_autograd import (
     compile_facts,
     donated_inputs,
     graph_surgery,
-    hook_scopes,
     hook_tracing,
     offload_prefetch,
     saved_numerics,
+    saved_tensor_collect as collect,
     saved_tensor_records as records,
+    saved_tensor_selection as selection,
     utils as hook_utils,
 )
 from torch_patches._functorch._aot_autograd.activation_budget.solver import PartitionTerms, Plan
@@ -53,87 +55,6 @@ from torch_patches._functorch._aot_autograd.hook_tracing import HookPair
 
 #: The inliner logs as the entry point it serves.
 UPSTREAM_MODULE = "torch._functorch._aot_autograd.graph_compile"
-
-
-def hooks_for_saved(
-    saved: fx.Node,
-    bw_input: fx.Node | None,
-    bw_order: dict[fx.Node, int],
-    ambient: HookPair | None,
-) -> HookPair | None:
-    """The hooks a saved tensor takes: those of the scope the op that saved it ran in.
-
-    In-graph scopes (``saved_tensors_hooks`` entered inside the compiled region) are
-    recorded on nodes by the Dynamo patch (see ``scope_of`` for the rule); a saved tensor
-    outside every in-graph scope takes the hooks active around the compiled call.
-    """
-    scope = hook_scopes.scope_of(saved, bw_input, bw_order)
-    if scope is hook_scopes.NO_SCOPE:
-        return ambient
-    return scope
-
-
-# ---------------------------------------------------------------------- selection
-
-
-def _filtered_by_mode(
-    fw_module: fx.GraphModule,
-    bw_module: fx.GraphModule,
-    saved_tensors: list[fx.Node],
-    num_inner_fwd_outputs: int,
-    static_input_indices: list[int],
-) -> set[fx.Node] | None:
-    """Saved tensors upstream's filtering mode allows hooks on (None = all)."""
-    from torch._functorch._aot_autograd import graph_compile as gc, utils as aot_utils
-
-    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
-    if mode == "all":
-        return None
-    if mode == "no_static":
-        placeholders = fw_module.graph.find_nodes(op="placeholder")
-        static = {placeholders[i] for i in static_input_indices}
-        return {n for n in saved_tensors if n not in static}
-    if mode != "donated":
-        raise SavedTensorsHookConfigError(f"unknown saved_tensors_hooks_filtering_mode {mode!r}")
-    # Donated buffers: saved intermediates that alias no graph input or output, so
-    # packing them really frees their memory.
-    if aot_utils.contain_metadata_mutation_ops(fw_module) or aot_utils.contain_metadata_mutation_ops(bw_module):
-        return set()
-
-    def vals(nodes: Any) -> list[Any]:
-        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
-
-    fw_outs = hook_utils.graph_outputs(fw_module.graph)
-    bw_outs = hook_utils.graph_outputs(bw_module.graph)
-    idxs = gc.collect_fw_donated_buffer_idxs(
-        vals(fw_module.graph.find_nodes(op="placeholder")),
-        vals(fw_outs[:num_inner_fwd_outputs]),
-        vals(bw_outs),
-        vals(saved_tensors),
-    )
-    return {saved_tensors[i] for i in idxs}
-
-
-def _output_aliases(
-    fw_module: fx.GraphModule, bw_module: fx.GraphModule, saved_tensors: list[fx.Node], num_inner_fwd_outputs: int
-) -> set[fx.Node]:
-    """Saved tensors ``donated`` mode leaves alone only because they share a storage with an
-    output of the forward (the logits and the KV cache a Hugging Face model returns beside its
-    loss): packing one frees nothing while the caller holds the output.  A training step keeps
-    its loss and drops the rest right after the forward, so a budget plan may store them
-    otherwise (upstream's own test of the other aliases, without the forward's outputs)."""
-    from torch._functorch._aot_autograd import graph_compile as gc
-
-    def vals(nodes: Any) -> list[Any]:
-        return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
-
-    ins = vals(fw_module.graph.find_nodes(op="placeholder"))
-    outs = vals(hook_utils.graph_outputs(fw_module.graph)[:num_inner_fwd_outputs])
-    bw_outs = vals(hook_utils.graph_outputs(bw_module.graph))
-    saved = vals(saved_tensors)
-    without_outputs = set(gc.collect_fw_donated_buffer_idxs(ins, [], bw_outs, saved))
-    donated = set(gc.collect_fw_donated_buffer_idxs(ins, outs, bw_outs, saved))
-    return {saved_tensors[i] for i in without_outputs - donated}
 
 
 def stock_pareto() -> tuple[tuple[float, int, float], ...]:
@@ -150,130 +71,6 @@ def _backward_facts(fw_module: fx.GraphModule, bw_module: fx.GraphModule, held: 
     outs = hook_utils.graph_outputs(bw_module.graph)
     accumulated = frozenset(i for i, ph in enumerate(placeholders) if ph in held) if len(outs) == len(placeholders) else frozenset()
     return saved_numerics.BackwardFacts(saved_numerics.tangent_dependent(bw_module.graph), accumulated)
-
-
-# ------------------------------------------------------------------------ phases
-# Each phase is a function over the records (saved_tensor_records.SavedTensorRecord).
-
-
-def _filter(
-    candidates: list[records.SavedTensorRecord],
-    allowed: set[fx.Node] | None,
-    inputs: dict[fx.Node, str | None],
-    output_aliases: Set[fx.Node] = frozenset(),
-) -> None:
-    """Leave unhooked what the hooks may not see: upstream's filtering mode, our dtype
-    policy, and tensors the backward does not use.  A budget pair's plan also sees the saved
-    tensors that ``donated`` mode filters only because a forward output shares their storage
-    (``output_aliases``)."""
-    mode = torch._functorch.config.saved_tensors_hooks_filtering_mode
-    for r in candidates:
-        saved = r.node
-        if allowed is not None and saved not in allowed and saved in output_aliases and r.scope_pair.kind.budget is not None:
-            r.aliases_output = True
-            if not hook_utils.is_hookable_dtype(r.dtype):
-                r.leave(
-                    records.DecidedBy.FILTER, f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
-                )
-            else:
-                r.take(
-                    r.scope_pair,
-                    records.DecidedBy.HOOKS,
-                    "aliases a forward output: stored otherwise, freed once the caller drops the output",
-                )
-            continue
-        if allowed is not None and saved not in allowed:
-            root = act_inputs.storage_root(saved)
-            if inputs.get(root) is not None:
-                why = f"{'is' if root is saved else 'aliases'} graph input {root.name}: {inputs[root]}"
-            else:
-                why = f"filtered by saved_tensors_hooks_filtering_mode={mode!r}"
-        elif not hook_utils.is_hookable_dtype(r.dtype):
-            why = f"dtype {r.dtype} (config.hooked_saved_tensor_dtypes={config.hooked_saved_tensor_dtypes!r})"
-        elif r.bw_input is None or not r.bw_input.users:
-            why = "unused by the backward"
-        else:
-            r.take(r.scope_pair, records.DecidedBy.HOOKS)
-            continue
-        r.leave(records.DecidedBy.FILTER, why)
-
-
-def _select(candidates: list[records.SavedTensorRecord]) -> None:
-    """Resolve ``select`` pairs: the hooks each tensor takes, or why none.
-
-    A :func:`torch_patches.hooks.select` pair asks its ``where`` predicate, once per saved
-    tensor at compile time, with the tensor's :class:`SavedTensorInfo`; an accepted tensor
-    takes the pair's inner hooks (traced without the eager-mode branching), a rejected one
-    the pair's ``otherwise`` hooks (which may select in turn), or none.
-    """
-    for r in candidates:
-        if not r.hooked:
-            continue
-        pair, how = r.chosen_pair, []
-        while (sel := pair.kind.selection) is not None:
-            try:
-                accepted = bool(sel.where(r.info()))
-            except Exception as e:  # noqa: BLE001 - the user's predicate
-                raise hook_tracing.hook_error(
-                    pair.pack,
-                    f"its where= predicate {hook_utils.hook_name(sel.where)} raised {type(e).__name__}: {e}",
-                    e,
-                    role="pack",
-                    pair=pair,
-                    saved=r.node,
-                ) from e
-            where = hook_utils.hook_name(sel.where)
-            if accepted:
-                how.append(f"accepted by where={where}")
-                pair = HookPair(sel.pack, sel.unpack, pair.label)
-            elif sel.otherwise is not None:
-                how.append(f"rejected by where={where}, otherwise")
-                pair = HookPair(sel.otherwise[0], sel.otherwise[1], pair.label)
-            else:
-                consumers = ", ".join(r.info().backward_consumers or ()) or "none"
-                numerics = f"tolerates {r.tolerance}" + (f": {r.tolerance_why}" if r.tolerance_why else "")
-                r.leave(records.DecidedBy.SELECT, f"not selected by where={where} ({numerics}; backward consumers: {consumers})")
-                break
-        else:
-            if how:
-                r.take(pair, records.DecidedBy.SELECT, "; ".join(how))
-
-
-def _drop_partially_hooked(
-    candidates: list[records.SavedTensorRecord], saved_tensors: list[fx.Node], inputs: dict[fx.Node, str | None]
-) -> None:
-    """``donated`` mode: leave unhooked what shares an activation input's storage with a
-    saved tensor left unhooked (packing it would not free the storage)."""
-    packed = [r.fw_node for r in candidates if r.decision in (records.HOOKED, records.ALIAS)]
-    reasons = act_inputs.partially_hooked(saved_tensors, packed, inputs)
-    for r in candidates:
-        if r.node in reasons:
-            r.leave(records.DecidedBy.FILTER, reasons[r.node])
-
-
-def _mark_aliases(candidates: list[records.SavedTensorRecord]) -> None:
-    """A hooked saved tensor that purely aliases (detach, alias) another hooked with the
-    same hooks is not packed again: the backward reads the root's unpacked tensor."""
-    aliases = graph_surgery.alias_roots({r.fw_node: r.chosen_pair for r in candidates if r.hooked})
-    for r in candidates:
-        if r.node in aliases:
-            r.decision, r.decided_by, r.alias_of = records.ALIAS, records.DecidedBy.ALIAS, aliases[r.node].name
-
-
-def _settle_aliases(candidates: list[records.SavedTensorRecord]) -> dict[fx.Node, fx.Node]:
-    """The aliases that still share their root's packed form (alias -> root) once every
-    phase decided; an alias whose root is no longer hooked is packed on its own."""
-    by_name = {r.name: r for r in candidates}
-    out: dict[fx.Node, fx.Node] = {}
-    for r in candidates:
-        if r.decision != records.ALIAS:
-            continue
-        root = by_name[cast(str, r.alias_of)]  # an alias names its root
-        if root.hooked and root.chosen == r.chosen:
-            out[r.fw_node] = root.fw_node
-        else:
-            r.decision, r.alias_of = records.HOOKED, None
-    return out
 
 
 @dataclasses.dataclass
@@ -353,14 +150,14 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
     fw_order = {n: i for i, n in enumerate(graphs.fw_module.graph.nodes)}
     fw_len, bw_len = len(fw_order), len(bw_order)
     bw_inputs, sources = graphs.bw_inputs, graphs.sources
-    scoped = [(n, hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
+    scoped = [(n, selection.hooks_for_saved(n, bw_inputs.get(n.name), bw_order, ambient)) for n in graphs.saved_tensors]
     if all(pair is None for _, pair in scoped):
         if publish and records.observed():  # a report: what a graph without hooks saves
             records.publish(
                 records.CompiledSavedTensors(
                     _checkpointed(
                         [
-                            records.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
+                            collect.collect(n, bw_inputs.get(n.name), bw_order, None, act_inputs.storage_root(n), None, fw_order, sources)
                             for n in graphs.saved_tensors
                         ],
                         graphs,
@@ -375,7 +172,7 @@ def _collect(graphs: _GraphPair, ambient: HookPair | None, publish: bool = True)
         return None
     facts = _backward_facts(graphs.fw_module, graphs.bw_module, graphs.held)
     all_records = [
-        records.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
+        collect.collect(n, bw_inputs.get(n.name), bw_order, facts, act_inputs.storage_root(n), pair, fw_order, sources)
         for n, pair in scoped
     ]
     return records.CompiledSavedTensors(
@@ -393,7 +190,7 @@ def _checkpointed(
         r.checkpoint = checkpointed.role(r.fw_node)
     extra = []
     for node, why in checkpointed.recomputed(graphs.fw_module.graph, graphs.bw_module.graph):
-        r = records.collect(node, None, bw_order, None, act_inputs.storage_root(node), None, fw_order, graphs.sources)
+        r = collect.collect(node, None, bw_order, None, act_inputs.storage_root(node), None, fw_order, graphs.sources)
         r.leave(records.DecidedBy.CHECKPOINT, why, records.RECOMPUTED)
         r.node = None  # not a saved tensor of this graph pair: no phase reads it
         extra.append(r)
@@ -407,7 +204,9 @@ def _prepare(
     that cannot be keyed raises first, before any decision).  Returns the facts the budget's
     plans read, and upstream's filtering mode's allowed set and the forward's inputs."""
     fw_module, saved_tensors = graphs.fw_module, graphs.saved_tensors
-    allowed = _filtered_by_mode(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices)
+    allowed = selection.filtered_by_mode(
+        fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs, graphs.static_input_indices
+    )
     inputs = act_inputs.activation_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices, graphs.num_inner_fwd_outputs)
     if allowed is not None:  # "donated": also the activations packing frees (see module)
         allowed |= {s for s in saved_tensors if inputs.get(act_inputs.storage_root(s), "") is None}
@@ -415,13 +214,13 @@ def _prepare(
         hook_tracing.check_keyable(pair)
     budgeted = any(r.scope_pair.kind.budget is not None for r in candidates)
     output_aliases = (
-        _output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs)
+        selection.output_aliases(fw_module, graphs.bw_module, saved_tensors, graphs.num_inner_fwd_outputs)
         if allowed is not None and budgeted
         else set()
     )
-    _filter(candidates, allowed, inputs, output_aliases)
-    _select(candidates)
-    _mark_aliases(candidates)
+    selection.filter_hookable(candidates, allowed, inputs, output_aliases)
+    selection.resolve_select(candidates)
+    selection.mark_aliases(candidates)
     facts = activation_budget.GraphFacts(
         fw_module.graph,
         graphs.bw_module.graph,
@@ -431,7 +230,7 @@ def _prepare(
         saved_tensors,
         {r.fw_node: r for r in candidates},
         tuple(
-            records.input_source_name(ph, graphs.sources) or ph.name
+            collect.input_source_name(ph, graphs.sources) or ph.name
             for ph in act_inputs.autograd_inputs(fw_module, graphs.inner_meta, graphs.static_input_indices)
         ),
         graphs.partition or PartitionTerms(),
@@ -450,8 +249,8 @@ def _decide(
     # tensor in their scope takes the storage option its plan chose, or is kept.
     recomputed, compiled.plans = activation_budget.apply_plans(candidates, facts)
     if allowed is not None:
-        _drop_partially_hooked(candidates, graphs.saved_tensors, inputs)
-    return recomputed, _settle_aliases(candidates)
+        selection.drop_partially_hooked(candidates, graphs.saved_tensors, inputs)
+    return recomputed, selection.settle_aliases(candidates)
 
 
 def trial_plans(

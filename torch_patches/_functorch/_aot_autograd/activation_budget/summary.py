@@ -10,7 +10,8 @@ import warnings
 from torch_patches._errors import SavedTensorsHookWarning
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.solver import RECOMPUTE, Choice, PartitionTerms, Plan
-from torch_patches._functorch._aot_autograd.saved_tensor_records import Bounds, BudgetPlanSummary, PlannedStorage, module_path
+from torch_patches._functorch._aot_autograd.saved_tensor_collect import module_path
+from torch_patches._functorch._aot_autograd.saved_tensor_records import Bounds, BudgetPlanSummary, PlannedStorage
 
 #: The storage options that offload (their copies run on the copy link).
 OFFLOADS = ("offload", "fp8+offload")
