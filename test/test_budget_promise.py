@@ -79,6 +79,29 @@ class TestInductorAccounting(TestCase):
             with self.assertRaisesRegex(Exception, r"activation_budget_accounting must be 'auto' or 'fx', got 'measured'"):
                 torch.compile(model, backend=InductorAndRecordGraphs(kernels=False))(x).sum().backward()
 
+    def test_only_forwards_lowered_where_the_budget_bounds_the_forwards_end(self, device: str) -> None:
+        """A graph that is one of several (compiled per layer) is compared by what its
+        forward holds at its end: every partition is priced by its forward alone, and the
+        plan's summary says where that forward peaks."""
+        x = torch.randn(128, 512, device=device, requires_grad=True)
+        model = _Thin().to(device)
+        real = inductor_accounting._live_bytes
+        lowered: list[bool] = []
+
+        def live_bytes(copy, is_backward):
+            lowered.append(is_backward)
+            return real(copy, is_backward)
+
+        with (
+            mock.patch.object(inductor_accounting, "_live_bytes", live_bytes),
+            tp_config.patch(activation_memory_budget=0.3, activation_budget_bounds="forward_end"),
+        ):
+            (plan,) = _plans(lambda: torch.compile(model, backend=InductorAndRecordGraphs(kernels=False))(x).sum().backward())
+        self.assertGreaterEqual(len(lowered), 2, plan.accounting)  # the default's forward and the plan's at least
+        self.assertNotIn(True, lowered)
+        self.assertTrue(plan.accounted_peak_at.startswith("forward "), plan.accounted_peak_at)
+        self.assertIn("its forward's end", plan.accounting)
+
     def test_the_knapsack_that_peaks_above_no_budget_is_kept_out(self, device: str) -> None:
         """The issue's thin MLP: the partitioner's knapsack at 0.5 rebuilds every block's
         wide sum in its backward, beside what it still holds.  The fx model predicted it

@@ -330,7 +330,8 @@ class BudgetPlanSummary:
     predicted_peak_bytes: int | None = None
     predicted_peak_at: str = ""
     #: The step's peak of the graphs as compiled, by Inductor's accounting, and where
-    #: (``activation_budget/inductor_accounting.py``; None where nothing priced them), and
+    #: (``activation_budget/inductor_accounting.py``; None where nothing priced them; the
+    #: forward's peak where the budget bounds the forward's end: the backward is not priced), and
     #: the ceiling's verdict in words: which accounting priced the plan, against what, and
     #: whether it stands or was withdrawn (``activation_budget/ceiling.py``).
     accounted_peak_bytes: int | None = None

@@ -81,14 +81,16 @@ def alternatives(
     num_fwd_outputs: int,
     static_input_indices: list[int],
     pricing: Pricing,
+    forward_only: bool = False,
 ) -> list[Alternative]:
     """What the budget's graphs are held against (:mod:`.ceiling`): the default partition
     without a budget (``default``: its graphs, over ``modules``' attributes) and, under a
     fractional budget (``offer``), stock's knapsack at the fraction where it is safe
     (:func:`.partition_choice.unsafe`); each priced once (the partition choice's prices reused), the
-    knapsack partitioned again where its graphs are needed and were not kept."""
+    knapsack partitioned again where its graphs are needed and were not kept.
+    ``forward_only``: the budget bounds the forward's end; only forwards are priced."""
     found = []
-    priced = pricing.of("default", *modules, graphs=default)
+    priced = pricing.of("default", *modules, graphs=default, forward_only=forward_only)
     if priced is not None:
         found.append(Alternative("the default partition without a budget", priced, lambda fw, bw: None))
     if offer is None:
@@ -104,7 +106,7 @@ def alternatives(
         k = knapsack()
         if isinstance(k, str) or partition_choice.unsafe(*k, default):
             return found
-        pricing.of("knapsack", *k)
+        pricing.of("knapsack", *k, forward_only=forward_only)
     theirs = pricing.priced.get("knapsack")
     if theirs is None:
         return found
@@ -135,8 +137,7 @@ def hold(
     ``after``: what the rest of the step holds after the forward (the score's);
     ``num_fwd_outputs``: the forward's outputs before its saved tensors.  Returns the
     alternative taken, or None where the budget's graphs stand (or cannot be priced)."""
-    compiled = _published()
-    at = next((i for i, p in enumerate(compiled.plans) if p.scope == "ambient"), None) if compiled is not None else None
+    compiled, at = _ambient_plan()
     if compiled is None or at is None or not alternatives:
         return None
     plan = compiled.plans[at]
@@ -145,7 +146,7 @@ def hold(
         compiled.plans[at] = dataclasses.replace(plan, accounting="hooks entered in the region beside it: not held to a ceiling")
         return None
     forward_end = plan.bounded_at == Bounds.FORWARD_END
-    ours = pricing.of("plan", fw_module, bw_module)
+    ours = pricing.of("plan", fw_module, bw_module, forward_only=forward_end)
     if ours is None:
         compiled.plans[at] = dataclasses.replace(
             plan, accounting=f"{pricing.name} could not price the plan's graphs: not held to a ceiling"
@@ -188,6 +189,14 @@ def _published() -> CompiledSavedTensors | None:
     return found.saved_tensors[-1] if found is not None and found.saved_tensors else None
 
 
+def _ambient_plan() -> tuple[CompiledSavedTensors | None, int | None]:
+    """The records just published and the index of the ambient budget's plan among their
+    plans (None where there is none)."""
+    compiled = _published()
+    at = next((i for i, p in enumerate(compiled.plans) if p.scope == "ambient"), None) if compiled is not None else None
+    return compiled, at
+
+
 def _withdraw(compiled: CompiledSavedTensors, why: str, taken: str, saved: set[str] | None) -> None:
     """The records of a withdrawn plan: every saved tensor as the partition taken has it
     (saved as it is; recomputed by the partitioner where its forward does not save it:
@@ -221,6 +230,8 @@ def hold_to_ceiling(
     fraction of ``offer``, priced by ``pricing``.  ``context``: the graph pair's number of
     forward outputs, ``ViewAndMutationMeta``, AOT config and static input indices."""
     num_fwd_outputs, inner_meta, _, static_input_indices = context
-    found = alternatives(offer, (fw_module, bw_module), snapshot.graphs, num_fwd_outputs, static_input_indices, pricing)
+    compiled, at = _ambient_plan()
+    forward_only = compiled is not None and at is not None and compiled.plans[at].bounded_at == Bounds.FORWARD_END
+    found = alternatives(offer, (fw_module, bw_module), snapshot.graphs, num_fwd_outputs, static_input_indices, pricing, forward_only)
     after = partition_choice.grad_outputs_bytes(fw_module, inner_meta)
     hold(fw_module, bw_module, pricing, found, snapshot.restore, after, num_fwd_outputs)

@@ -14,7 +14,9 @@ price is a function of the graph, as the plan must be (it keys the compiled grap
 A step's peak is the forward's (its inputs are the caller's: not counted), or the
 backward's with its incoming gradients (autograd holds them; Inductor's estimate leaves
 them out), whichever is more.  The forward's end is what the forward returns: its saved
-tensors and its outputs.  Both read symbolic sizes at their hints.
+tensors and its outputs.  Both read symbolic sizes at their hints.  Where the budget bounds
+the forward's end (a graph that is one of several, compiled per layer), partitions are
+compared by that alone, and only the forward is lowered (``forward_only``).
 
 Compile time only: one lowering and scheduling per graph, about what Inductor's own compile
 spends before code generation.  :func:`price` raises where Inductor cannot lower a graph
@@ -66,6 +68,9 @@ class Accounted:
     at: str
     #: Seconds spent lowering and scheduling both graphs.
     seconds: float = 0.0
+    #: Only the forward was priced (``peak`` is the forward's): the budget bounds the
+    #: forward's end, which is all partitions are compared by.
+    forward_only: bool = False
 
     def score(self, forward_end: bool, after: int) -> int:
         """What partitions are compared by (``partition_choice._score``'s rule): the
@@ -74,6 +79,8 @@ class Accounted:
         the step holds after it (``after``: a loss after a graph break reads the logits)."""
         if forward_end:
             return self.forward_end
+        if self.forward_only:
+            raise RuntimeError("a step's peak asked of a price of the forward alone")
         return max(self.peak, self.forward_end + after)
 
 
@@ -91,26 +98,28 @@ def price(
     bw_module: fx.GraphModule,
     graphs: tuple[fx.Graph, fx.Graph] | None = None,
     activation_inputs: frozenset[str] = frozenset(),
+    forward_only: bool = False,
 ) -> Accounted:
     """The step's peak of a partitioned graph pair by Inductor's accounting (module
     docstring): the modules' graphs, or ``graphs`` over the modules' attributes.  Nothing
     is changed: each graph is lowered from a copy.  ``activation_inputs``: the names of the
     forward's inputs another graph made that the caller would drop (a loss compiled apart
-    takes the logits): the forward's end holds those it saves for the backward as it is."""
+    takes the logits): the forward's end holds those it saves for the backward as it is.
+    ``forward_only``: the forward alone, where the forward's end is all that is compared."""
     start = time.perf_counter()
     fw_g, bw_g = graphs or (fw_module.graph, bw_module.graph)
     fw_live, fw_names = _live_bytes(_copy(fw_module, fw_g), is_backward=False)
-    bw_live, bw_names = _live_bytes(_copy(bw_module, bw_g), is_backward=True)
-    tangents = sum(nbytes_of(n) for n in bw_g.find_nodes(op="placeholder") if is_incoming_gradient(n))
     fw_top = max(range(len(fw_live)), key=fw_live.__getitem__)
-    bw_top = max(range(len(bw_live)), key=bw_live.__getitem__)
-    if fw_live[fw_top] >= bw_live[bw_top] + tangents:
-        peak, at = fw_live[fw_top], f"forward {fw_names[min(fw_top, len(fw_names) - 1)]}"
-    else:
-        peak, at = bw_live[bw_top] + tangents, f"backward {bw_names[min(bw_top, len(bw_names) - 1)]}"
+    peak, at = fw_live[fw_top], f"forward {fw_names[min(fw_top, len(fw_names) - 1)]}"
+    if not forward_only:
+        bw_live, bw_names = _live_bytes(_copy(bw_module, bw_g), is_backward=True)
+        tangents = sum(nbytes_of(n) for n in bw_g.find_nodes(op="placeholder") if is_incoming_gradient(n))
+        bw_top = max(range(len(bw_live)), key=bw_live.__getitem__)
+        if bw_live[bw_top] + tangents > peak:
+            peak, at = bw_live[bw_top] + tangents, f"backward {bw_names[min(bw_top, len(bw_names) - 1)]}"
     saved_inputs = {a for a in graph_outputs(fw_g) if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in activation_inputs}
     forward_end = fw_live[-1] + sum(nbytes_of(n) for n in saved_inputs)
-    return Accounted(max(peak, forward_end), forward_end, at, time.perf_counter() - start)
+    return Accounted(max(peak, forward_end), forward_end, at, time.perf_counter() - start, forward_only)
 
 
 def _live_bytes(copy: fx.GraphModule, is_backward: bool) -> tuple[list[int], list[str]]:
@@ -184,11 +193,12 @@ def price_or_none(
     what: str,
     graphs: tuple[fx.Graph, fx.Graph] | None = None,
     activation_inputs: frozenset[str] = frozenset(),
+    forward_only: bool = False,
 ) -> Accounted | None:
     """:func:`price`, or None where Inductor cannot lower the pair (said in the log: the
     caller then prices by the fx model)."""
     try:
-        return price(fw_module, bw_module, graphs, activation_inputs)
+        return price(fw_module, bw_module, graphs, activation_inputs, forward_only)
     except Exception as e:  # noqa: BLE001 - the fx model prices it instead; said in the log
         log.debug("%s could not be priced by %s (%s: %s); the fx model prices it", what, INDUCTOR, type(e).__name__, e, exc_info=True)
         return None
@@ -227,14 +237,23 @@ class Pricing:
         return INDUCTOR if self.enabled else FX_MODEL
 
     def of(
-        self, role: str, fw_module: fx.GraphModule, bw_module: fx.GraphModule, graphs: tuple[fx.Graph, fx.Graph] | None = None
+        self,
+        role: str,
+        fw_module: fx.GraphModule,
+        bw_module: fx.GraphModule,
+        graphs: tuple[fx.Graph, fx.Graph] | None = None,
+        forward_only: bool = False,
     ) -> Accounted | None:
         """``role``'s price (priced once; None where disabled or Inductor cannot lower it):
-        the modules' graphs, or ``graphs`` over their attributes."""
+        the modules' graphs, or ``graphs`` over their attributes.  ``forward_only``: where
+        the budget bounds the forward's end, the forward alone (a price of the pair serves
+        too; one of the forward alone is priced again where the pair's is asked)."""
         if not self.enabled:
             return None
-        if role not in self.priced:
-            self.priced[role] = found = price_or_none(fw_module, bw_module, f"the {role} partition", graphs, self.activation_inputs)
+        known = self.priced.get(role)
+        if role not in self.priced or (known is not None and known.forward_only and not forward_only):
+            what = f"the {role} partition"
+            self.priced[role] = found = price_or_none(fw_module, bw_module, what, graphs, self.activation_inputs, forward_only)
             if found is not None:
                 log.debug("the %s partition priced by %s in %.2f s: %s", role, INDUCTOR, found.seconds, found)
         return self.priced[role]

@@ -200,7 +200,7 @@ def _weigh_knapsack(offer: PartitionOffer, graphs: _Graphs, trial: Trial, stands
     extra = _extra_ms((graphs.fw, graphs.bw), (fw_k, bw_k))
     forward_end = ours[0].bounded_at == Bounds.FORWARD_END
     none = _unplanned_score(graphs.fw, graphs.bw, graphs, forward_end, "default")
-    accounted = graphs.pricing.of("knapsack", fw_k, bw_k)
+    accounted = graphs.pricing.of("knapsack", fw_k, bw_k, forward_only=forward_end)
     knap_score = None if accounted is None else accounted.score(forward_end, graphs.after)
     taken, why = _better(ours, theirs, extra, graphs.after, none, knap_score)
     cap = None
@@ -322,7 +322,7 @@ def _unplanned_score(fw: fx.GraphModule, bw: fx.GraphModule, graphs: _Graphs, fo
     where the budget bounds that, else the step's peak as the graph sees it; by Inductor's
     accounting where the graphs price by it (``role``: the partition's, priced once), else
     by the fx model."""
-    accounted: Accounted | None = graphs.pricing.of(role, fw, bw)
+    accounted: Accounted | None = graphs.pricing.of(role, fw, bw, forward_only=forward_end)
     if accounted is not None:
         return accounted.score(forward_end, graphs.after)
     saved = [n for n in hook_utils.graph_outputs(fw.graph)[graphs.num_fwd_outputs :] if isinstance(n, fx.Node)]
