@@ -132,8 +132,29 @@ class TestChunkedLinearCrossEntropy(TestCase):
     def test_chunk_bounds(self, device: str) -> None:
         self.assertEqual(chunk_bounds(10, 3), [(0, 4), (4, 7), (7, 10)])
         self.assertEqual(chunk_bounds(2, 5), [(0, 1), (1, 2)])
+        # A symbolic number of tokens: as many chunks as asked, ceil(tokens / chunks) long,
+        # the last ones shorter or empty, and no guard on the number.
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        env = ShapeEnv()
+        tokens = env.create_symintnode(env.create_symbol(10, source=ConstantSource("tokens")), hint=10)
+        bounds = chunk_bounds(tokens, 4)
+        self.assertEqual(len(chunk_bounds(tokens, 16)), 16)
+        self.assertEqual(env.guards, [])
+
+        def hint(size):
+            return size if isinstance(size, int) else size.node.hint
+
+        self.assertEqual([(hint(a), hint(b)) for a, b in bounds], [(0, 3), (3, 6), (6, 9), (9, 10)])
         with self.assertRaisesRegex(ValueError, "needs recompute=True"):
             HeadSpec(transforms=(("softcap", 3.0), ("scale", 2.0)), returns=2)
+
+
+def _input_shapes(gm: torch.fx.GraphModule) -> list:
+    """The sizes of a Dynamo graph's tensor inputs, flattened."""
+    values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    return [d for v in values if isinstance(v, torch.Tensor) for d in v.shape]
 
 
 # ------------------------------------------------------------------ the pattern
@@ -343,6 +364,30 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
                 with self.subTest(family=family, vocab=vocab):
                     torch._dynamo.reset()
                     self.check_family(family, device, vocab=vocab)
+
+    @pytest.mark.slow  # four lengths, eager beside compiled; the fast tier keeps chunk_bounds' symbolic case
+    def test_lengths_that_change_one_graph_chunked_at_every_length(self, device: str) -> None:
+        """Batches padded to their longest example (HF Trainer's and TRL's collators): the
+        second length recompiles with a symbolic number of tokens.  The head is chunked in
+        that graph too, its chunks counted at the hint and sized symbolically, so no later
+        length recompiles (every chunk non-empty and longer than one token: more tokens than
+        the chunks squared, 16 x 16 here), and every length's loss and gradients equal
+        eager's."""
+        torch.manual_seed(0)
+        lm = _hf("llama").to(device).train()
+        backend = AotEagerAndRecordGraphs()
+        with torch_patches.config.patch(chunked_loss_head="on"):
+            for n in (160, 144, 136, 130):
+                with self.subTest(tokens=2 * n):
+                    ids = torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(n)).to(device)
+                    want = self.step(lm, ids)
+                    got = self.step(lm, ids, budget(0.1, **EXACT), backend)
+                    for a, e in zip(got, want):
+                        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        self.assertEqual(len(backend.graphs), 2)  # the first length's, then one for every other
+        calls = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
+        self.assertEqual([call.args[4].chunks for call in calls], [16, 16])
+        self.assertTrue(any(isinstance(d, torch.SymInt) for d in _input_shapes(backend.graphs[1])))
 
     def test_torchtitans_call_and_a_sum_over_items(self, device: str) -> None:
         torch.manual_seed(0)

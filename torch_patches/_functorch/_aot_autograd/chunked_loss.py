@@ -84,9 +84,14 @@ def keeps_logits_exactly(transforms: tuple[tuple[str, float | None], ...], retur
     return all(name != "softcap" for name, _ in transforms[: max(0, returns - 1)])
 
 
-def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+def chunk_bounds(tokens: int | torch.SymInt, chunks: int) -> list[tuple[Any, Any]]:
     """``chunks`` contiguous ranges covering ``range(tokens)``, as even as they can be (the
-    first ones one longer), none empty."""
+    first ones one longer), none empty.  Where ``tokens`` is symbolic (dynamic shapes), the
+    chunks are counted as given and each is ``ceil(tokens / chunks)`` long, the last ones
+    shorter (empty where ``tokens`` is less than ``chunks``): no guard on ``tokens``."""
+    if isinstance(tokens, torch.SymInt):
+        size = (tokens + chunks - 1) // chunks
+        return [(torch.sym_min(i * size, tokens), torch.sym_min((i + 1) * size, tokens)) for i in range(chunks)]
     chunks = max(1, min(chunks, tokens))
     size, extra = divmod(tokens, chunks)
     out, start = [], 0

@@ -14,7 +14,10 @@ where the caller divides by ``num_items_in_batch``), torchtitan's ``cross_entrop
 plain ``F.cross_entropy(linear(h), y)`` produce it.  The logits at one step of the chain may
 also be read elsewhere (HF returns them): they come out of the chunked head whole.  Class
 weights, label smoothing, any other op between the head and the loss (a z-loss reads the
-log-sum-exp), a target of probabilities, dynamic shapes: no match, and the reason is logged.
+log-sum-exp), a target of probabilities, a symbolic hidden size or vocabulary: no match, and
+the reason is logged.  The number of tokens may be symbolic (a batch's length under dynamic
+shapes): the chunks are counted at its hint and sized symbolically, so one graph serves
+every length.
 
 :func:`rewrite_loss_heads` replaces each match by one call of
 :func:`~.chunked_loss.chunked_linear_cross_entropy` (an autograd function AOTAutograd traces
@@ -74,6 +77,9 @@ class LossHead:
     tokens: int = 0
     vocab: int = 0
     hidden: int = 0
+    #: The number of tokens is symbolic (``tokens`` is its hint): the chunks are counted at
+    #: the hint and sized symbolically (``chunked_loss.chunk_bounds``).
+    dynamic: bool = False
     why_not: str | None = None
 
     @property
@@ -92,12 +98,32 @@ def _value(node: Any) -> Any:
 
 
 def _static_shape(node: Any) -> tuple[int, ...] | None:
+    shape = _shape(node)
+    if shape is None or any(not isinstance(d, int) for d in shape):
+        return None
+    return cast(tuple[int, ...], shape)
+
+
+def _shape(node: Any) -> tuple[int | torch.SymInt, ...] | None:
+    """A tensor node's shape, its sizes symbolic where Dynamo made them so (None for
+    another value)."""
     value = _value(node)
-    if not isinstance(value, torch.Tensor):
-        return None
-    if any(not isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(value.shape)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or symbolic) are known equal without a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def _hint(size: int | torch.SymInt) -> int:
+    """A size at its hint (the size Dynamo compiled for)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint  # Dynamo's sizes are backed: the example's size
+    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
 
 
 def _constant(x: Any) -> float | None:
@@ -221,20 +247,26 @@ def _checked(head: LossHead, stages: list[tuple[fx.Node, tuple[str, float | None
     """Shapes, dtypes and readers of a matched chain; the transforms in the model's order."""
     linear = cast(fx.Node, head.linear)  # matched
     h, w, b = _linear_args(linear)
-    h_shape, w_shape, t_shape = _static_shape(h), _static_shape(w), _static_shape(head.target)
+    # The tokens may be symbolic (a batch's length under dynamic shapes); the hidden size and
+    # the vocabulary may not.
+    h_shape, w_shape, t_shape = _shape(h), _static_shape(w), _shape(head.target)
     target = _value(head.target)
-    if h_shape is None or w_shape is None or t_shape is None:
-        head.why_not = "dynamic shapes"
+    if h_shape is None or t_shape is None:
+        head.why_not = "the hidden states or the target are not tensors"
+        return head
+    if w_shape is None or not isinstance(h_shape[-1], int):
+        head.why_not = "a symbolic hidden size or vocabulary"
         return head
     if len(w_shape) != 2 or (b is not None and _static_shape(b) != (w_shape[0],)):
         head.why_not = "the LM head's weight is not a matrix"
     elif target is None or target.dtype not in (torch.int64, torch.int32):
         head.why_not = "the target is not class indices"
-    elif math.prod(h_shape[:-1]) != math.prod(t_shape):
+    elif not _same(math.prod(h_shape[:-1]), math.prod(t_shape)):
         head.why_not = "the target's tokens are not the hidden states' tokens"
     if head.why_not:
         return head
-    head.tokens, head.hidden, head.vocab = math.prod(h_shape[:-1]), h_shape[-1], w_shape[0]
+    head.tokens, head.hidden, head.vocab = _hint(math.prod(h_shape[:-1])), h_shape[-1], w_shape[0]
+    head.dynamic = not all(isinstance(d, int) for d in h_shape)
     head.chain.append(linear)
     inside = set(head.chain) | {head.loss}
     transforms, returned, returned_stage = [], None, None
@@ -246,7 +278,8 @@ def _checked(head: LossHead, stages: list[tuple[fx.Node, tuple[str, float | None
         if returned is not None or (transform is None and node is not linear):
             head.why_not = f"the logits are read elsewhere at {node.name}"
             return head
-        if _static_shape(node) != tuple(h_shape[:-1]) + (head.vocab,):
+        shape = _shape(node)
+        if shape is None or len(shape) != len(h_shape) or not all(map(_same, shape, tuple(h_shape[:-1]) + (head.vocab,))):
             head.why_not = f"the logits read elsewhere ({node.name}) are not in the hidden states' shape"
             return head
         returned, returned_stage = node, len(transforms)
@@ -388,8 +421,9 @@ def summary(head: LossHead, chunks: int, recompute: bool) -> str:
         flops = 2 * head.tokens * head.vocab * head.hidden
         extra = f"; one more matmul of the head in the backward, est {flops / rates.flops_per_ms:.3f} ms"
     chunk = head.logits_bytes // max(1, chunks)
+    tokens = f"{head.tokens} tokens" + (" at the length compiled for, symbolic" if head.dynamic else "")
     return (
-        f"{head.describe()} in {chunks} chunks of tokens ({head.tokens} tokens x {head.vocab} vocabulary): the "
+        f"{head.describe()} in {chunks} chunks of tokens ({tokens} x {head.vocab} vocabulary): the "
         f"unchunked head's float32 (tokens x vocabulary) tensors hold {head.logits_bytes} B each, a chunk's "
         f"{chunk} B; {_logits_fate(head, recompute)}{extra}"
     )
