@@ -36,7 +36,13 @@ def reference(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The unchunked head: ``cross_entropy(g(linear(h, w, b)), y)`` and its returned logits."""
     stages = _stages(F.linear(h, w, b), spec.transforms)
-    loss = F.cross_entropy(stages[-1].reshape(-1, w.shape[0]), y.reshape(-1), ignore_index=spec.ignore_index, reduction=spec.reduction)
+    loss = F.cross_entropy(
+        stages[-1].reshape(-1, w.shape[0]),
+        y.reshape(-1),
+        ignore_index=spec.ignore_index,
+        reduction=spec.reduction,
+        label_smoothing=spec.label_smoothing,
+    )
     return (stages[spec.returns] if spec.returns is not None else None), loss
 
 
@@ -72,6 +78,7 @@ def heads(draw: st.DrawFn) -> tuple[HeadSpec, dict]:
         reduction=draw(st.sampled_from(["mean", "sum"])),
         chunks=draw(st.integers(1, 9)),
         ignore_index=draw(st.sampled_from([-100, 0])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1, 0.3])),
     )
     shape = {
         "tokens": draw(st.integers(1, 23)),
@@ -199,6 +206,10 @@ class TestPattern(TestCase):
         head = self.head(lambda h, w, y: F.cross_entropy(F.linear(h, w).flatten(0, 1).float(), y.flatten(0, 1), reduction="sum"))
         self.assertEqual((head.why_not, head.transforms, head.reduction), (None, [("upcast", None)], "sum"))
 
+    def test_label_smoothing(self, device: str) -> None:
+        head = self.head(lambda h, w, y: F.cross_entropy(F.linear(h, w).view(-1, 50), y.view(-1), label_smoothing=0.1))
+        self.assertEqual((head.why_not, head.label_smoothing), (None, 0.1))
+
     def test_softcap_and_returned_logits(self, device: str) -> None:
         def gemma(h, w, y):
             logits = torch.tanh(F.linear(h, w) / 30.0) * 30.0
@@ -211,7 +222,6 @@ class TestPattern(TestCase):
     def test_what_it_leaves_alone(self, device: str) -> None:
         cases = {
             "class weights": lambda h, w, y: F.cross_entropy(F.linear(h, w).view(-1, 50), y.view(-1), weight=torch.ones(50)),
-            "label smoothing": lambda h, w, y: F.cross_entropy(F.linear(h, w).view(-1, 50), y.view(-1), label_smoothing=0.1),
             "reduction='none'": lambda h, w, y: F.cross_entropy(F.linear(h, w).view(-1, 50), y.view(-1), reduction="none"),
             "relu": lambda h, w, y: F.cross_entropy(F.relu(F.linear(h, w)).view(-1, 50), y.view(-1)),
             "matmul": lambda h, w, y: F.cross_entropy(h.view(-1, 16) @ w.t(), y.view(-1)),
@@ -325,7 +335,7 @@ class TestUnderABudget(TestCase):
         self.assertExpectedInline(
             self.head_golden(backend),
             """\
-chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
+chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16, label_smoothing=0.0))
   [1] call_function float32[] -> output
   [0] call_function float32[2, 24, 512] -> output""",
         )
@@ -335,7 +345,7 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
         self.assertExpectedInline(
             self.head_golden(backend),
             """\
-chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
+chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('upcast', None),), returns=0, recompute=True, ignore_index=-100, reduction='mean', chunks=16, label_smoothing=0.0))
   [1] call_function float32[] -> output
   [0] call_function float32[2, 24, 512] -> output""",
         )
@@ -346,7 +356,7 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
         self.assertExpectedInline(
             self.head_golden(backend),
             """\
-chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('softcap', 30.0), ('upcast', None)), returns=1, recompute=True, ignore_index=-100, reduction='mean', chunks=16))
+chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512, 32], None, call_method int64[48], HeadSpec(transforms=(('softcap', 30.0), ('upcast', None)), returns=1, recompute=True, ignore_index=-100, reduction='mean', chunks=16, label_smoothing=0.0))
   [1] call_function float32[] -> output
   [0] call_function float32[2, 24, 512] -> output""",
         )
@@ -388,6 +398,36 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
         calls = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
         self.assertEqual([call.args[4].chunks for call in calls], [16, 16])
         self.assertTrue(any(isinstance(d, torch.SymInt) for d in _input_shapes(backend.graphs[1])))
+
+    def test_label_smoothing_on_the_returned_logits(self, device: str) -> None:
+        """HF's logits, the loss taken on them with label smoothing (what HF Trainer's
+        ``label_smoothing_factor`` asks for, written as ``F.cross_entropy``) in the same
+        compiled step: chunked, the loss and every gradient eager's."""
+        torch.manual_seed(0)
+        lm = _hf("llama").to(device).train()
+        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+
+        def smoothed(ids):  # the labels shifted by padding, as HF's ForCausalLMLoss shifts them
+            logits = lm(input_ids=ids, use_cache=False).logits
+            labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), label_smoothing=0.1)
+
+        def run(compiled: bool) -> list[torch.Tensor]:
+            lm.zero_grad(set_to_none=True)
+            if compiled:
+                with torch_patches.config.patch(chunked_loss_head="on"), torch.autograd.graph.saved_tensors_hooks(*budget(0.1, **EXACT)):
+                    loss = torch.compile(smoothed, backend=backend)(ids)
+            else:
+                loss = smoothed(ids)
+            loss.backward()
+            return [loss.detach()] + [p.grad.clone() for p in lm.parameters()]
+
+        backend = AotEagerAndRecordGraphs()
+        want, got = run(False), run(True)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        (call,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
+        self.assertEqual(call.args[4].label_smoothing, 0.1)
 
     def test_torchtitans_call_and_a_sum_over_items(self, device: str) -> None:
         torch.manual_seed(0)

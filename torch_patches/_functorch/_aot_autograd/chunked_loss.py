@@ -53,7 +53,8 @@ class HeadSpec:
     transforms they have been through (0: the matmul's output; None: not returned);
     ``recompute``: where the logits are returned, the backward recomputes each chunk's
     instead of saving them;
-    ``ignore_index`` and ``reduction`` ("mean" or "sum") as ``F.cross_entropy``'s;
+    ``ignore_index``, ``reduction`` ("mean" or "sum") and ``label_smoothing`` as
+    ``F.cross_entropy``'s (a smoothed token's loss: ``lse - (1 - e) z_y - e mean(z)``);
     ``chunks``: how many chunks of tokens."""
 
     transforms: tuple[tuple[str, float | None], ...] = ()
@@ -62,10 +63,13 @@ class HeadSpec:
     ignore_index: int = -100
     reduction: str = "mean"
     chunks: int = 8
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
         if self.chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {self.chunks}")
         for name, _ in self.transforms:
@@ -160,11 +164,15 @@ def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor) -> t
     return acc
 
 
-def _chunk_loss(z: torch.Tensor, t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's log-sum-exp per token and its summed loss over the targets kept."""
+def _chunk_loss(z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's log-sum-exp per token and its summed loss over the targets kept (with
+    ``smoothing``, each token's is ``lse - (1 - e) z_y - e mean(z)``, as
+    ``F.cross_entropy``'s ``label_smoothing``)."""
     lse = torch.logsumexp(z, dim=-1)
     valid = t != ignore_index
     picked = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+    if smoothing:
+        picked = (1 - smoothing) * picked + smoothing * z.mean(dim=-1)
     return lse, torch.where(valid, lse - picked, 0).sum()
 
 
@@ -198,7 +206,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 z = _stages(x, spec.transforms)[-1]
             else:
                 z = _stages(logits[start:end], spec.transforms[k:])[-1]
-            lse, part = _chunk_loss(z, target[start:end], spec.ignore_index)
+            lse, part = _chunk_loss(z, target[start:end], spec.ignore_index, spec.label_smoothing)
             total = part if total is None else total + part
             lses.append(lse)
         if logits is not None and not spec.recompute:
@@ -230,7 +238,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 kept: list[torch.Tensor | None] = [None] * k  # the stages before the saved logits (not kept)
                 kept.extend(_stages(saved[0][start:end], spec.transforms[k:]))
                 stages = kept
-            g = _softmax_grad(cast(torch.Tensor, stages[-1]), lse, target[start:end], spec.ignore_index, scale)
+            g = _softmax_grad(cast(torch.Tensor, stages[-1]), lse, target[start:end], spec.ignore_index, scale, spec.label_smoothing)
             for j in reversed(range(len(spec.transforms))):
                 if k == j + 1 and grad_logits is not None:
                     g = g + grad_logits[start:end]
@@ -246,12 +254,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return torch.cat(grad_h), cast(torch.Tensor, grad_w).to(weight.dtype), grad_b, None, None
 
 
-def _softmax_grad(z: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, ignore_index: int, scale: torch.Tensor) -> torch.Tensor:
+def _softmax_grad(
+    z: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, ignore_index: int, scale: torch.Tensor, smoothing: float = 0.0
+) -> torch.Tensor:
     """The gradient of a chunk's summed loss over its logits ``z``: ``softmax(z) - onehot``
-    on the targets kept, times ``scale``."""
+    on the targets kept (``- (1 - e) onehot - e / V`` with label smoothing ``e``), times
+    ``scale``."""
     p = torch.exp(z - lse.unsqueeze(1))
+    if smoothing:
+        p = p - smoothing / z.shape[1]
     hit = torch.arange(z.shape[1], device=z.device).unsqueeze(0) == t.unsqueeze(1)
-    return torch.where(hit, p - 1, p) * torch.where(t != ignore_index, scale, 0).unsqueeze(1).to(z.dtype)
+    return torch.where(hit, p - (1 - smoothing), p) * torch.where(t != ignore_index, scale, 0).unsqueeze(1).to(z.dtype)
 
 
 def chunked_linear_cross_entropy(

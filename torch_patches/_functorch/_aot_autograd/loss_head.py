@@ -7,13 +7,14 @@ The pattern, in the torch-level graph Dynamo records (before AOTAutograd decompo
     [logits = c * tanh(logits / c)]                # Gemma 2's final_logit_softcapping
     [logits = logits.float()] [logits = logits * s]   # an upcast, a scale, in any order
     [views merging the token dimensions]           # view(-1, V), flatten(0, 1), contiguous()
-    loss = cross_entropy(logits, y, ignore_index=i, reduction="mean" | "sum")
+    loss = cross_entropy(logits, y, ignore_index=i, reduction="mean" | "sum", label_smoothing=e)
 
 as HF's ``ForCausalLMLoss`` (labels shifted by padding, ``ignore_index=-100``; mean, or sum
 where the caller divides by ``num_items_in_batch``), torchtitan's ``cross_entropy_loss`` and a
-plain ``F.cross_entropy(linear(h), y)`` produce it.  The logits at one step of the chain may
+plain ``F.cross_entropy(linear(h), y)`` produce it, with a constant label smoothing or not.
+The logits at one step of the chain may
 also be read elsewhere (HF returns them): they come out of the chunked head whole.  Class
-weights, label smoothing, any other op between the head and the loss (a z-loss reads the
+weights, any other op between the head and the loss (a z-loss reads the
 log-sum-exp), a target of probabilities, a symbolic hidden size or vocabulary: no match, and
 the reason is logged.  The number of tokens may be symbolic (a batch's length under dynamic
 shapes): the chunks are counted at its hint and sized symbolically, so one graph serves
@@ -74,6 +75,7 @@ class LossHead:
     returned_stage: int | None = None
     ignore_index: int = -100
     reduction: str = "mean"
+    label_smoothing: float = 0.0
     tokens: int = 0
     vocab: int = 0
     hidden: int = 0
@@ -209,8 +211,8 @@ def _match(ce: fx.Node) -> LossHead:
     args = {**{k: p.default for k, p in _CE_SIGNATURE.parameters.items()}, **bound.arguments}
     if args["weight"] is not None:
         head.why_not = "class weights"
-    elif args["label_smoothing"] not in (0, 0.0):
-        head.why_not = "label smoothing"
+    elif not isinstance(args["label_smoothing"], (int, float)) or not 0 <= args["label_smoothing"] <= 1:
+        head.why_not = "a label smoothing that is not a constant in [0, 1]"
     elif args["size_average"] is not None or args["reduce"] is not None:
         head.why_not = "the deprecated size_average / reduce arguments"
     elif args["reduction"] not in ("mean", "sum"):
@@ -220,6 +222,7 @@ def _match(ce: fx.Node) -> LossHead:
     if head.why_not:
         return head
     head.ignore_index, head.reduction, head.target = args["ignore_index"], args["reduction"], args["target"]
+    head.label_smoothing = float(args["label_smoothing"])
     node = args["input"]
     stages: list[tuple[fx.Node, tuple[str, float | None] | None]] = []
     while isinstance(node, fx.Node) and not (node.op == "call_function" and node.target in _LINEARS):
@@ -340,6 +343,7 @@ def _rewrite(gm: fx.GraphModule, head: LossHead, chunks: int, recompute: bool) -
         ignore_index=head.ignore_index,
         reduction=head.reduction,
         chunks=chunks,
+        label_smoothing=head.label_smoothing,
         recompute=recompute,
     )
     graph = gm.graph
