@@ -399,63 +399,53 @@ chunked_linear_cross_entropy(call_function float32[2, 24, 32], param float32[512
         self.assertEqual([call.args[4].chunks for call in calls], [16, 16])
         self.assertTrue(any(isinstance(d, torch.SymInt) for d in _input_shapes(backend.graphs[1])))
 
-    def test_label_smoothing_on_the_returned_logits(self, device: str) -> None:
-        """HF's logits, the loss taken on them with label smoothing (what HF Trainer's
-        ``label_smoothing_factor`` asks for, written as ``F.cross_entropy``) in the same
-        compiled step: chunked, the loss and every gradient eager's."""
+    def check_loss_on_the_logits(self, device: str, loss_fn, fraction: float) -> HeadSpec:
+        """``loss_fn(logits, ids)`` on HF Llama's logits, compiled in one step with them under
+        ``budget(fraction)`` (exact options): the loss and every gradient eager's, the head
+        chunked once; returns its spec."""
         torch.manual_seed(0)
         lm = _hf("llama").to(device).train()
         ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
 
-        def smoothed(ids):  # the labels shifted by padding, as HF's ForCausalLMLoss shifts them
-            logits = lm(input_ids=ids, use_cache=False).logits
+        def step(ids):
+            return loss_fn(lm(input_ids=ids, use_cache=False).logits, ids)
+
+        def run(compiled: bool) -> list[torch.Tensor]:
+            lm.zero_grad(set_to_none=True)
+            if compiled:
+                hooks = budget(fraction, **EXACT)
+                with torch_patches.config.patch(chunked_loss_head="on"), torch.autograd.graph.saved_tensors_hooks(*hooks):
+                    loss = torch.compile(step, backend=backend)(ids)
+            else:
+                loss = step(ids)
+            loss.backward()
+            return [loss.detach()] + [p.grad.clone() for p in lm.parameters()]
+
+        backend = AotEagerAndRecordGraphs()
+        want, got = run(False), run(True)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        (call,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
+        return call.args[4]
+
+    def test_label_smoothing_on_the_returned_logits(self, device: str) -> None:
+        """HF's logits, the loss taken on them with label smoothing (what HF Trainer's
+        ``label_smoothing_factor`` asks for, written as ``F.cross_entropy``), the labels
+        shifted by padding as HF's ForCausalLMLoss shifts them."""
+
+        def smoothed(logits, ids):
             labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), label_smoothing=0.1)
 
-        def run(compiled: bool) -> list[torch.Tensor]:
-            lm.zero_grad(set_to_none=True)
-            if compiled:
-                with torch_patches.config.patch(chunked_loss_head="on"), torch.autograd.graph.saved_tensors_hooks(*budget(0.1, **EXACT)):
-                    loss = torch.compile(smoothed, backend=backend)(ids)
-            else:
-                loss = smoothed(ids)
-            loss.backward()
-            return [loss.detach()] + [p.grad.clone() for p in lm.parameters()]
-
-        backend = AotEagerAndRecordGraphs()
-        want, got = run(False), run(True)
-        for a, e in zip(got, want):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
-        (call,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
-        self.assertEqual(call.args[4].label_smoothing, 0.1)
+        self.assertEqual(self.check_loss_on_the_logits(device, smoothed, 0.1).label_smoothing, 0.1)
 
     def test_torchtitans_call_and_a_sum_over_items(self, device: str) -> None:
-        torch.manual_seed(0)
-        lm = _hf("llama").to(device).train()
-        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
-
-        labels = torch.roll(ids, -1, 1)  # shifted by the data loader, as torchtitan's are
-
-        def titan(ids):  # torchtitan's cross_entropy_loss in the same compiled step, a sum over items
-            logits = lm(input_ids=ids, use_cache=False).logits
+        def titan(logits, ids):  # torchtitan's cross_entropy_loss, labels shifted as its data loader shifts them, a sum over items
+            labels = torch.roll(ids, -1, 1)
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / 7.0
 
-        def run(compiled: bool) -> list[torch.Tensor]:
-            lm.zero_grad(set_to_none=True)
-            if compiled:
-                with torch_patches.config.patch(chunked_loss_head="on"), torch.autograd.graph.saved_tensors_hooks(*budget(0.3, **EXACT)):
-                    loss = torch.compile(titan, backend=backend)(ids)
-            else:
-                loss = titan(ids)
-            loss.backward()
-            return [loss.detach()] + [p.grad.clone() for p in lm.parameters()]
-
-        backend = AotEagerAndRecordGraphs()
-        want, got = run(False), run(True)
-        for a, e in zip(got, want):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
-        (call,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is loss_head.chunked_linear_cross_entropy]
-        self.assertEqual((call.args[4].returns, call.args[4].reduction), (None, "sum"))
+        spec = self.check_loss_on_the_logits(device, titan, 0.3)
+        self.assertEqual((spec.returns, spec.reduction), (None, "sum"))
 
     def test_off_and_auto_below_the_size(self, device: str) -> None:
         for mode in ("off", "auto"):  # auto: the tiny head's logits are under the minimum
