@@ -47,6 +47,7 @@ from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, chunked_linear_cross_entropy, keeps_logits_exactly
+from torch_patches._functorch._aot_autograd.utils import size_hint
 
 __all__ = ["LossHead", "find_loss_heads", "rewrite_loss_heads", "chunks_for"]
 
@@ -118,14 +119,6 @@ def _same(a: Any, b: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
-
-
-def _hint(size: int | torch.SymInt) -> int:
-    """A size at its hint (the size Dynamo compiled for)."""
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint  # Dynamo's sizes are backed: the example's size
-    return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
 
 
 def _constant(x: Any) -> float | None:
@@ -268,7 +261,7 @@ def _checked(head: LossHead, stages: list[tuple[fx.Node, tuple[str, float | None
         head.why_not = "the target's tokens are not the hidden states' tokens"
     if head.why_not:
         return head
-    head.tokens, head.hidden, head.vocab = _hint(math.prod(h_shape[:-1])), h_shape[-1], w_shape[0]
+    head.tokens, head.hidden, head.vocab = size_hint(math.prod(h_shape[:-1])), h_shape[-1], w_shape[0]
     head.dynamic = not all(isinstance(d, int) for d in h_shape)
     head.chain.append(linear)
     inside = set(head.chain) | {head.loss}

@@ -130,21 +130,20 @@ def hold(
     restore: Callable[[], None],
     after: int,
     num_fwd_outputs: int,
+    compiled: CompiledSavedTensors,
+    at: int,
 ) -> Alternative | None:
     """Price the budget's graphs (``fw_module``, ``bw_module``, as the phases wrote them) and
     withdraw the plan where the lower of ``alternatives`` scores less (module docstring):
     ``restore`` puts the default partition back, then the alternative adopts its graphs.
     ``after``: what the rest of the step holds after the forward (the score's);
-    ``num_fwd_outputs``: the forward's outputs before its saved tensors.  Returns the
-    alternative taken, or None where the budget's graphs stand (or cannot be priced)."""
-    compiled, at = _ambient_plan()
-    if compiled is None or at is None or not alternatives:
+    ``num_fwd_outputs``: the forward's outputs before its saved tensors; ``compiled``: the
+    records the phases published, ``at``: the index of the ambient budget's plan among their
+    plans.  Returns the alternative taken, or None where the budget's graphs stand (or
+    cannot be priced)."""
+    if not alternatives:
         return None
     plan = compiled.plans[at]
-    facts = compile_facts.facts()
-    if facts is not None and facts.scopes:  # withdrawing would drop the hooks entered in the region
-        compiled.plans[at] = dataclasses.replace(plan, accounting="hooks entered in the region beside it: not held to a ceiling")
-        return None
     forward_end = plan.bounded_at == Bounds.FORWARD_END
     ours = pricing.of("plan", fw_module, bw_module, forward_only=forward_end)
     if ours is None:
@@ -183,16 +182,11 @@ def _words(alternatives: list[Alternative], forward_end: bool, after: int) -> st
     return " and ".join(f"{a.name}'s {nbytes_in_words(a.priced.score(forward_end, after))}" for a in alternatives)
 
 
-def _published() -> CompiledSavedTensors | None:
-    """The records the phases just published for this graph pair."""
-    found = compile_facts.facts()
-    return found.saved_tensors[-1] if found is not None and found.saved_tensors else None
-
-
 def _ambient_plan() -> tuple[CompiledSavedTensors | None, int | None]:
-    """The records just published and the index of the ambient budget's plan among their
-    plans (None where there is none)."""
-    compiled = _published()
+    """The records the phases just published for this graph pair and the index of the
+    ambient budget's plan among their plans (None where there is none)."""
+    found = compile_facts.facts()
+    compiled = found.saved_tensors[-1] if found is not None and found.saved_tensors else None
     at = next((i for i, p in enumerate(compiled.plans) if p.scope == "ambient"), None) if compiled is not None else None
     return compiled, at
 
@@ -231,7 +225,14 @@ def hold_to_ceiling(
     forward outputs, ``ViewAndMutationMeta``, AOT config and static input indices."""
     num_fwd_outputs, inner_meta, _, static_input_indices = context
     compiled, at = _ambient_plan()
-    forward_only = compiled is not None and at is not None and compiled.plans[at].bounded_at == Bounds.FORWARD_END
+    if compiled is None or at is None:
+        return
+    plan = compiled.plans[at]
+    facts = compile_facts.facts()
+    if facts is not None and facts.scopes:  # withdrawing would drop the hooks entered in the region
+        compiled.plans[at] = dataclasses.replace(plan, accounting="hooks entered in the region beside it: not held to a ceiling")
+        return
+    forward_only = plan.bounded_at == Bounds.FORWARD_END
     found = alternatives(offer, (fw_module, bw_module), snapshot.graphs, num_fwd_outputs, static_input_indices, pricing, forward_only)
     after = partition_choice.grad_outputs_bytes(fw_module, inner_meta)
-    hold(fw_module, bw_module, pricing, found, snapshot.restore, after, num_fwd_outputs)
+    hold(fw_module, bw_module, pricing, found, snapshot.restore, after, num_fwd_outputs, compiled, at)
