@@ -6,7 +6,9 @@ over a range of fractions, planned beside measured.
 ``torch_patches.testing.models.LANGUAGE_MODELS`` from configs, random init; ``--lora R`` a PEFT
 LoRA fine-tune of rank R; the text is bytes, ``--vocab`` widens the embedding, the head and
 the logits: a comma list is a sweep per vocabulary, the axis where the loss head becomes the
-step's peak) and runs, each in a
+step's peak; ``--loss`` the loss on the logits, a comma list a sweep per loss:
+``torch_patches.testing.models.LOSSES``, cross-entropy, label smoothing, a z-loss, DPO, GRPO,
+a KL to a teacher's logits) and runs, each in a
 subprocess of its own (its own compile cache): the compiled model without hooks, and per
 fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
 torch_patches not applied).  Each row trains ``--steps`` steps (the first compiles) and
@@ -54,7 +56,7 @@ from typing import Any
 
 from benchmarks.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
-from torch_patches.testing.models import CALLS
+from torch_patches.testing.models import CALLS, LOSSES
 
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 
@@ -289,6 +291,11 @@ def _parser() -> argparse.ArgumentParser:
         "calls the model (labels=, KV cache at its default), the HF model compiled; torchtitan: "
         "the model returns its logits and the loss is compiled apart",
     )
+    parser.add_argument(
+        "--loss",
+        default="ce",
+        help=f"the losses on the logits, a comma list (a sweep per loss): {', '.join(LOSSES)} (models.LOSSES)",
+    )
     parser.add_argument("--lora", type=int, default=0, help="a PEFT LoRA fine-tune of this rank (every linear but the head; 0: none)")
     parser.add_argument(
         "--by-hand",
@@ -317,8 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 4:
         parser.error("--steps: at least 4 (the first compiles, the third is measured, the rest timed)")
     vocabs = [int(v) for v in args.vocab.split(",") if v]
-    out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "sweeps": {}}
-    for vocab in vocabs:
+    losses = [x for x in args.loss.split(",") if x]
+    if not losses or any(x not in LOSSES for x in losses):
+        parser.error(f"--loss: a comma list of {', '.join(LOSSES)}")
+    out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "losses": losses, "sweeps": {}}
+    for vocab, loss in [(v, x) for v in vocabs for x in losses]:
         sizes = dict(
             layers=args.layers,
             dim=args.dim,
@@ -335,15 +345,16 @@ def main(argv: list[str] | None = None) -> int:
             budget_bounds=args.bounds,
             call=args.call,
             lora=args.lora,
+            loss=loss,
         )
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
             f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}"
+            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}, loss {loss}"
             + (f", LoRA rank {args.lora}" if args.lora else ""),
             flush=True,
         )
-        sweep = out["sweeps"][str(vocab)] = {"sizes": sizes, "models": {}}
+        sweep = out["sweeps"][str(vocab) if loss == "ce" else f"{vocab}/{loss}"] = {"sizes": sizes, "models": {}}
         for model in [m for m in args.models.split(",") if m]:
             cfg = TrainConfig(model=model, **sizes)
             rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {model} {row}: {measured} ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
             summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
             sweep["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
-            print(f"\n{model} (vocab {vocab}):\n{format_table(summary, args.tolerance)}", flush=True)
+            print(f"\n{model} (vocab {vocab}, loss {loss}):\n{format_table(summary, args.tolerance)}", flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -60,7 +60,7 @@ from typing import Any
 
 from benchmarks import worker_env
 from benchmarks.convergence_report import format_table, plot, summarize
-from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, causal_lm_loss, chunked_by_hand_loss, compile_per_layer
+from torch_patches.testing.models import CALLS, LANGUAGE_MODELS, LOSSES, causal_lm_loss, chunked_by_hand_loss, compile_per_layer
 
 #: The rows of a default run.
 DEFAULT_ROWS = ("compiled", "bf16", "int8_rowwise", "fp8_rowwise", "budget:0.5", "amb:0.5")
@@ -128,6 +128,10 @@ class TrainConfig:
     #: ``target_modules="all-linear"``, alpha twice the rank), the base model frozen; 0: every
     #: parameter trained.
     lora: int = 0
+    #: The loss on the logits (``models.LOSSES``): ``"ce"`` the next-token cross-entropy;
+    #: label smoothing, a z-loss, DPO's, GRPO's, or a KL to a teacher's logits (``"kl"``: a
+    #: second model of the same config, frozen, its logits computed in the step).
+    loss: str = "ce"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -136,6 +140,8 @@ class TrainConfig:
             raise ValueError("steps and batch must be >= 1, seq >= 2")
         if self.vocab < VOCAB:
             raise ValueError(f"vocab must be at least {VOCAB} (the text is bytes), got {self.vocab}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}: choose from {LOSSES}")
         if self.compile_per not in ("model", "layer"):
             raise ValueError(f"compile_per must be 'model' or 'layer', got {self.compile_per!r}")
         if self.call not in CALLS:
@@ -217,7 +223,12 @@ def build(cfg: TrainConfig) -> Any:
             raise RuntimeError('a LoRA fine-tune needs peft: pip install -e ".[bench]"') from e
         config = peft.LoraConfig(r=cfg.lora, lora_alpha=2 * cfg.lora, target_modules="all-linear")
         lm = peft.get_peft_model(lm, config)
-    return causal_lm_loss(lm, cfg.call)
+    teacher = None
+    if cfg.loss == "kl":
+        teacher = (
+            MODELS[cfg.model](vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq).eval().requires_grad_(False)
+        )
+    return causal_lm_loss(lm, cfg.call, cfg.loss, teacher)
 
 
 # ---------------------------------------------------------------------------- rows

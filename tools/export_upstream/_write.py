@@ -333,6 +333,12 @@ REVIEWABLE_LINES = 500
 
 #: Why a commit is bigger than :data:`REVIEWABLE_LINES` (said in ``SUMMARY.md``).
 LARGE_REASONS = {
+    "add-loss_region_ops": (
+        "the rules for every op a loss region may hold and the walk that applies them are one "
+        "matcher: each rule moves where the tokens are through its op and writes the chunk's "
+        "op, and a rule left out rejects every region that holds its op (the losses users "
+        "train with hold most of them: casts, log-sum-exp, gathers, views, the losses)"
+    ),
     "add-solver": (
         "the solver's data types (options, spans, choices, the plan with its timeline and the "
         "points it bounds) and the greedy that fits them are one unit: the greedy's constraints "

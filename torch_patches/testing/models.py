@@ -147,7 +147,29 @@ def compile_per_layer(lm: Any, backend: str = "inductor", loss: bool = False) ->
 CALLS = ("bench", "hf_default", "torchtitan")
 
 
-def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
+#: The losses a causal language model is trained with on its logits (:func:`causal_lm_loss`'s
+#: ``loss=``): ``"ce"`` the next-token cross-entropy; ``"smoothing"`` with a label smoothing of
+#: 0.1 (HF Trainer's ``label_smoothing_factor``); ``"zloss"`` HF's loss plus ``1e-4`` times the
+#: mean squared log-sum-exp of the logits; ``"dpo"`` DPO's sigmoid loss, the batch's first half
+#: the chosen completions and its second the rejected, each sequence's second half its
+#: completion, log-probabilities as TRL's ``selective_log_softmax`` computes them, against a
+#: reference's (fixed); ``"grpo"`` GRPO's clipped per-token ratio against the log-probabilities
+#: detached (TRL's one update a generation), each sequence's mean over its completion, an
+#: advantage of +1 or -1 a sequence; ``"kl"`` distillation: the KL of the student's log-softmax
+#: to a teacher's (an LM of the same config, frozen) at temperature 2, ``batchmean``.
+LOSSES = ("ce", "smoothing", "zloss", "dpo", "grpo", "kl")
+
+
+def selective_log_softmax(logits: Any, index: Any) -> Any:
+    """TRL's ``trl.trainer.utils.selective_log_softmax`` for float32 logits: the label's logit
+    less its row's log-sum-exp, the log-sum-exp taken one sequence at a time."""
+    import torch
+
+    selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+    return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+
+
+def causal_lm_loss(lm: Any, call: str = "bench", loss: str = "ce", teacher: Any = None) -> Any:
     """A module wrapping the causal language model ``lm`` (as ``.lm``): called with token
     ids, it returns the mean next-token loss.
 
@@ -160,11 +182,22 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
     the caller keeps only the loss.  ``call="torchtitan"``: the model returns its logits
     (no labels, no cache) and the loss is torchtitan's ``cross_entropy_loss`` on them
     (``loss_fn``: the compiler compiles it apart, as torchtitan does), the labels shifted by
-    padding as HF shifts them."""
+    padding as HF shifts them.
+
+    ``loss`` other than ``"ce"`` (:data:`LOSSES`): the loss computed on the logits in the
+    same module, the model called as ``call`` says (``"zloss"`` adds to HF's own loss);
+    ``"kl"`` needs ``teacher``."""
     import torch
+    import torch.nn.functional as F
 
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    if loss == "kl" and teacher is None:
+        raise ValueError("loss='kl' needs a teacher model")
+    if loss != "ce" and call == "torchtitan":
+        raise ValueError("call='torchtitan' computes torchtitan's cross-entropy: loss must be 'ce'")
     extra = {"use_cache": False} if call == "bench" else {}
 
     class CausalLMLoss(torch.nn.Module):
@@ -172,12 +205,42 @@ def causal_lm_loss(lm: Any, call: str = "bench") -> Any:
             super().__init__()
             self.lm = lm
             self.loss_fn = cross_entropy_loss
+            self.teacher = [teacher]  # not a submodule: frozen, not the model's parameters
 
         def forward(self, ids: Any) -> Any:
             if call == "torchtitan":
                 labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
                 return self.loss_fn(self.lm(input_ids=ids, use_cache=False).logits, labels)
-            return self.lm(input_ids=ids, labels=ids, **extra).loss
+            if loss in ("ce", "zloss"):
+                out = self.lm(input_ids=ids, labels=ids, **extra)
+                if loss == "ce":
+                    return out.loss
+                return out.loss + 1e-4 * torch.logsumexp(out.logits.float(), dim=-1).pow(2).mean()
+            logits = self.lm(input_ids=ids, **extra).logits
+            vocab, (batch, seq) = logits.shape[-1], ids.shape
+            if loss == "smoothing":
+                labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+                return F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1), label_smoothing=0.1)
+            if loss == "kl":
+                with torch.no_grad():
+                    t = self.teacher[0](input_ids=ids, use_cache=False).logits
+                s = F.log_softmax(logits.float() / 2.0, dim=-1)
+                p = F.softmax(t.float() / 2.0, dim=-1)
+                return F.kl_div(s.view(-1, vocab), p.view(-1, vocab), reduction="batchmean") * 4.0
+            completion = (torch.arange(seq, device=ids.device) >= seq // 2).float().expand(batch, seq)
+            logps = selective_log_softmax(logits[:, :-1].float(), ids[:, 1:])
+            mask = completion[:, 1:]
+            if loss == "dpo":
+                seq_logps = (logps * mask).sum(-1)
+                half = batch // 2
+                ref = torch.zeros_like(seq_logps)  # a reference model's, computed before the step
+                margin = (seq_logps[:half] - ref[:half]) - (seq_logps[half:] - ref[half:])
+                return -F.logsigmoid(0.1 * margin).mean()
+            adv = torch.where(torch.arange(batch, device=ids.device) % 2 == 0, 1.0, -1.0)
+            ratio = torch.exp(logps - logps.detach())
+            clipped = torch.clamp(ratio, 0.8, 1.2)
+            per_token = -torch.min(ratio * adv.unsqueeze(1), clipped * adv.unsqueeze(1))
+            return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
     return CausalLMLoss()
 

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["HeadSpec", "ChunkedLinearCrossEntropy", "chunk_bounds", "chunked_linear_cross_entropy", "keeps_logits_exactly"]
+__all__ = ["HeadSpec", "ChunkedLinearCrossEntropy", "after", "chunk_bounds", "chunked_linear_cross_entropy", "keeps_logits_exactly"]
 
 #: The transforms a head may apply between its matmul and the loss, by name, each with one
 #: constant: ``("softcap", c)``: ``c * tanh(x / c)``; ``("upcast", None)``: to float32;
@@ -153,6 +153,22 @@ def _(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     return None
 
 
+@torch.library.custom_op("saved_tensors_hooks::after", mutates_args=())
+def after(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` made once ``token`` is: an order between chunks.  Inductor fuses
+    the same kernel of independent chunks into one (they read the same scalars), which keeps
+    several chunks' (tokens x vocabulary) tensors alive at once; a chunk whose inputs pass
+    through this after the previous chunk's result cannot be fused with it.  ``x`` is small
+    (a chunk's targets or hidden states, an incoming gradient).  Not a tensor the budget's
+    plan recomputes through: what it may recompute (a chunk's logits) never reads it."""
+    return x.clone()
+
+
+@after.register_fake
+def _(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``acc + g^T h`` in float32 (or the operands' dtype where it is wider), into one
     buffer over the chunks (:func:`accumulate_mm_`): no chunk's product outlives its chunk,
@@ -206,7 +222,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 z = _stages(x, spec.transforms)[-1]
             else:
                 z = _stages(logits[start:end], spec.transforms[k:])[-1]
-            lse, part = _chunk_loss(z, target[start:end], spec.ignore_index, spec.label_smoothing)
+            t = target[start:end]
+            lse, part = _chunk_loss(z, t if total is None else after(t, total), spec.ignore_index, spec.label_smoothing)
             total = part if total is None else total + part
             lses.append(lse)
         if logits is not None and not spec.recompute:
@@ -238,6 +255,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 kept: list[torch.Tensor | None] = [None] * k  # the stages before the saved logits (not kept)
                 kept.extend(_stages(saved[0][start:end], spec.transforms[k:]))
                 stages = kept
+            if grad_w is not None:
+                scale = after(scale, grad_w)  # this chunk after the last one's
             g = _softmax_grad(cast(torch.Tensor, stages[-1]), lse, target[start:end], spec.ignore_index, scale, spec.label_smoothing)
             for j in reversed(range(len(spec.transforms))):
                 if k == j + 1 and grad_logits is not None:

@@ -12,11 +12,9 @@ The pattern, in the torch-level graph Dynamo records (before AOTAutograd decompo
 as HF's ``ForCausalLMLoss`` (labels shifted by padding, ``ignore_index=-100``; mean, or sum
 where the caller divides by ``num_items_in_batch``), torchtitan's ``cross_entropy_loss`` and a
 plain ``F.cross_entropy(linear(h), y)`` produce it, with a constant label smoothing or not.
-The logits at one step of the chain may
-also be read elsewhere (HF returns them): they come out of the chunked head whole.  Class
-weights, any other op between the head and the loss (a z-loss reads the
-log-sum-exp), a target of probabilities, a symbolic hidden size or vocabulary: no match, and
-the reason is logged.  The number of tokens may be symbolic (a batch's length under dynamic
+The logits at one step of the chain may also be read elsewhere (HF returns them): they come
+out of the chunked head whole.  Any other loss on the logits is a region of
+:mod:`.loss_region`.  The number of tokens may be symbolic (a batch's length under dynamic
 shapes): the chunks are counted at its hint and sized symbolically, so one graph serves
 every length.
 
@@ -288,7 +286,7 @@ def find_loss_heads(gm: fx.GraphModule) -> list[LossHead]:
     return [_match(n) for n in gm.graph.find_nodes(op="call_function", target=_CROSS_ENTROPY)]
 
 
-def chunks_for(head: LossHead, memory: float | int) -> int:
+def chunks_for(head: LossHead | Any, memory: float | int) -> int:
     """How many chunks of tokens, from the budget: a fraction ``F`` keeps each chunk's
     float32 logits at most about ``F / 2`` of all of them (at least 2 chunks, at most
     ``config.chunked_loss_head_max_chunks``); a budget in bytes at most a quarter of it."""
@@ -367,44 +365,63 @@ def _logits_fate(head: LossHead, recompute: bool) -> str:
     return "the returned logits saved for the backward"
 
 
-def rewrite_loss_heads(gm: fx.GraphModule, memory: float | int) -> list[LossHead]:
+def _candidates(gm: fx.GraphModule) -> list[fx.Node]:
+    """The matmuls that may be an LM head: under ``"auto"``, those whose float32 output holds
+    at least ``chunked_loss_head_min_bytes``; under ``"on"``, those with the most features."""
+    linears = [(n, _value(n)) for t in _LINEARS for n in gm.graph.find_nodes(op="call_function", target=t)]
+    out = [(n, v) for n, v in linears if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    if config.chunked_loss_head == "auto":
+        return [n for n, v in out if size_hint(v.numel()) * 4 >= config.chunked_loss_head_min_bytes]
+    widest = max((v.shape[-1] for _, v in out), default=0)
+    return [n for n, v in out if v.shape[-1] == widest]
+
+
+def rewrite_loss_heads(gm: fx.GraphModule, memory: float | int) -> list[str]:
     """Under a budget of ``memory`` (the ambient budget pair's, a fraction or bytes), compute
     each loss head of ``gm`` whose float32 logits hold at least
-    ``config.chunked_loss_head_min_bytes`` in chunks (:func:`chunks_for`); logs each
-    decision.  Returns the heads rewritten."""
+    ``config.chunked_loss_head_min_bytes`` in chunks (:func:`chunks_for`): a cross-entropy
+    that alone reads the logits by its own chunked head; any other loss that works row by row
+    over the vocabulary as a region (:mod:`.loss_region`).  Logs each decision; returns the
+    summaries of the heads chunked."""
     if config.chunked_loss_head == "off":
         return []
+    from torch_patches._functorch._aot_autograd import loss_region
+
     artifact = tp_logging.artifact_logger(UPSTREAM_MODULE)
-    done = []
-    for head in find_loss_heads(gm):
-        why = head.why_not
-        if why is None and config.chunked_loss_head == "auto" and head.logits_bytes < config.chunked_loss_head_min_bytes:
-            why = f"its float32 logits hold {head.logits_bytes} B < chunked_loss_head_min_bytes"
-        chunks = chunks_for(head, memory) if why is None else 0
-        recompute = recomputes_logits(head, memory) if why is None else False
-        if why is None:
-            why = _rewrite(gm, head, chunks, recompute)
-        if why is not None:
-            artifact.debug("%s: not chunked: %s", head.describe(), why)
-            continue
-        artifact.debug(
-            "%s: chunked in %d chunks of tokens (%d tokens x %d vocabulary, transforms %s; %s); "
-            "the unchunked head's (tokens x vocabulary) float32 tensors hold %d B each",
-            head.describe(),
-            chunks,
-            head.tokens,
-            head.vocab,
-            head.transforms or "none",
-            _logits_fate(head, recompute),
-            head.logits_bytes,
+    heads = find_loss_heads(gm)
+    lines = [_chunk_head(gm, h, memory, artifact) for h in heads if h.why_not is None and h.returned is None]
+    taken = {cast(fx.Node, h.linear) for h in heads if h.why_not is None and h.returned is None}
+    for region, chunks in loss_region.rewrite_regions(gm, _candidates(gm), taken, lambda region: chunks_for(region, memory)):
+        line = loss_region.summary(region, chunks) if region.why_not is None else None
+        (log.warning if region.failed else artifact.debug)(
+            "%s: %s", region.describe(), line or f"not chunked as a region: {region.why_not}"
         )
-        done.append(head)
+        lines.append(line)
+    lines += [_chunk_head(gm, h, memory, artifact) for h in heads if (h.why_not or h.returned) is not None and h.linear not in taken]
+    done = [line for line in lines if line is not None]
+    found = compile_facts.facts()
     if done:
         gm.recompile()
-        found = compile_facts.facts()
         if found is not None:
-            found.loss_heads.extend(summary(h, chunks_for(h, memory), recomputes_logits(h, memory)) for h in done)
+            found.loss_heads.extend(done)
     return done
+
+
+def _chunk_head(gm: fx.GraphModule, head: LossHead, memory: float | int, artifact: logging.Logger) -> str | None:
+    """Rewrite one cross-entropy head, logging the decision: its summary, or None."""
+    why = head.why_not
+    if why is None and config.chunked_loss_head == "auto" and head.logits_bytes < config.chunked_loss_head_min_bytes:
+        why = f"its float32 logits hold {head.logits_bytes} B < chunked_loss_head_min_bytes"
+    chunks = chunks_for(head, memory) if why is None else 0
+    recompute = recomputes_logits(head, memory) if why is None else False
+    if why is None:
+        why = _rewrite(gm, head, chunks, recompute)
+    if why is not None:
+        artifact.debug("%s: not chunked: %s", head.describe(), why)
+        return None
+    line = summary(head, chunks, recompute)
+    artifact.debug("%s", line)
+    return line
 
 
 def summary(head: LossHead, chunks: int, recompute: bool) -> str:
