@@ -834,6 +834,21 @@ class TestKnapsackWeighing(TestCase):
             taken, why, cap = partition_choice._fit_under(knap, ours, why, 0, extra, refit)
         return taken, why, cap, calls
 
+    def test_against_the_floor_within_the_prediction_the_priced_one_decides(self):
+        # The plan's floor misses the budget; the knapsack meets it and holds up to 10% more
+        # than the floor's prediction.  Priced by the fx model alone the prediction cannot
+        # tell them apart and the knapsack is taken; priced by Inductor (its score given) the
+        # floor stays: the ceiling prices the floor's graphs beside it and takes the lower.
+        from torch_patches._functorch._aot_autograd.activation_budget import partition_choice
+
+        floor, knap = _stand_in_plan(100, met=False), _stand_in_plan(105, lossy=False)
+        taken, why = partition_choice._better([floor], [knap], (0.0, 1.0), 0)
+        self.assertEqual(taken, True, why)
+        self.assertIn("closer than the prediction's 10%", why)
+        taken, why = partition_choice._better([floor], [knap], (0.0, 1.0), 0, knap_score=105)
+        self.assertEqual(taken, False, why)
+        self.assertIn("kept out: it holds 105 B against the plan's floor's 100 B", why)
+
     def test_kept_out_where_it_holds_no_less(self):
         taken, why, cap, calls = self.weigh(_stand_in_plan(100, 1.0), _stand_in_plan(100, lossy=False), (10.0, 1.0))
         self.assertEqual((taken, cap, calls), (False, None, []))

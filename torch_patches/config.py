@@ -143,6 +143,13 @@ activation_budget_lossy_margin: float = 0.05
 #      below no budget's and stock's knapsack's (activation_budget/ceiling.py); elsewhere
 #      by the fx model.  "fx": the fx model everywhere, no ceiling.
 activation_budget_accounting: str = "auto"
+# The looser fractions a budget's graphs are also held against, with Inductor's accounting
+# (activation_budget/ceiling.py): stock's knapsack at each of these above the budget's own
+# fraction, beside it at that fraction, the partitioner's cheap recomputation and the default
+# partition.  Stock's knapsack peaks higher at some tighter fractions than at looser ones;
+# holding budget(F) to what a looser knob gives keeps a tighter budget from peaking above a
+# looser one at these fractions.  Each distinct partition is priced once, at compile time.
+activation_budget_ceiling_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 # Under an activation memory budget (ambient, around the compiled call or in config), compute
 # a language model's loss head (the LM head's matmul, an optional soft-cap / upcast / scale,

@@ -45,6 +45,7 @@ from torch_patches import _logging as tp_logging, config
 from torch_patches._functorch._aot_autograd import compile_facts
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import Rates
 from torch_patches._functorch._aot_autograd.chunked_loss import HeadSpec, chunked_linear_cross_entropy, keeps_logits_exactly
+from torch_patches._functorch._aot_autograd.loss_region_ops import _LINEARS, _linear_args, _same, _value
 from torch_patches._functorch._aot_autograd.utils import size_hint
 
 __all__ = ["LossHead", "find_loss_heads", "rewrite_loss_heads", "chunks_for"]
@@ -52,7 +53,6 @@ __all__ = ["LossHead", "find_loss_heads", "rewrite_loss_heads", "chunks_for"]
 log = logging.getLogger(__name__)
 UPSTREAM_MODULE = "torch._functorch._aot_autograd.loss_head"
 
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 _CROSS_ENTROPY = torch.nn.functional.cross_entropy
 _CE_SIGNATURE = inspect.signature(torch.nn.functional.cross_entropy)
 _VIEWS = frozenset({"view", "reshape", "flatten", "contiguous"})
@@ -94,10 +94,6 @@ class LossHead:
         return f"loss head {where}"
 
 
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
-
-
 def _static_shape(node: Any) -> tuple[int, ...] | None:
     shape = _shape(node)
     if shape is None or any(not isinstance(d, int) for d in shape):
@@ -110,13 +106,6 @@ def _shape(node: Any) -> tuple[int | torch.SymInt, ...] | None:
     another value)."""
     value = _value(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two sizes (ints or symbolic) are known equal without a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
 
 
 def _constant(x: Any) -> float | None:
@@ -229,12 +218,6 @@ def _match(ce: fx.Node) -> LossHead:
         return head
     head.linear = node
     return _checked(head, stages)
-
-
-def _linear_args(linear: fx.Node) -> tuple[Any, Any, Any]:
-    """``(input, weight, bias)`` of a ``linear`` call."""
-    args = list(linear.args) + [None] * (3 - len(linear.args))
-    return args[0], linear.kwargs.get("weight", args[1]), linear.kwargs.get("bias", args[2])
 
 
 def _checked(head: LossHead, stages: list[tuple[fx.Node, tuple[str, float | None] | None]]) -> LossHead:

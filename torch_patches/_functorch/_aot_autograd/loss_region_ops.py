@@ -133,6 +133,7 @@ def _value(node: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or symbolic) are known equal without a guard."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
@@ -175,6 +176,7 @@ def _static(sizes: Any) -> int:
 
 
 def _linear_args(linear: fx.Node) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of a ``linear`` call."""
     args = list(linear.args) + [None] * (3 - len(linear.args))
     return args[0], linear.kwargs.get("weight", args[1]), linear.kwargs.get("bias", args[2])
 

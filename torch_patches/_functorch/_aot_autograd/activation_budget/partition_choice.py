@@ -18,8 +18,9 @@ The choice, in order:
   a budget must never raise the step's peak).
 * **The knapsack** at the fraction (what ``activation_memory_budget = F`` gives, recomputing
   expensive ops too), weighed against the plan over the default partition (:func:`_better`):
-  against the plan's floor, the partition that holds less (:func:`_score`; within the
-  prediction's margin, the one meeting the budget); against lossy storage, the knapsack when
+  against the plan's floor, the partition that holds less (:func:`_score`; within the fx
+  model's margin, the one meeting the budget, and where Inductor prices the knapsack, the
+  floor, which the ceiling prices beside it); against lossy storage, the knapsack when
   its extra compute costs no more than the lossy plan's estimated time plus
   ``config.activation_budget_lossy_margin`` of the graph's compute; against exact storage
   that holds more, the plan fitted under it.  Where the knapsack holds less than the plan but
@@ -364,9 +365,11 @@ def _better(
     if not mine.met:
         if scores[0] < scores[1]:
             return True, f"taken over the plan's floor: it holds {scores[0][0]} B against {scores[1][0]} B"
-        if knap.met and scores[0][0] <= scores[1][0] * (1 + PREDICTION_MARGIN):
+        if knap.met and knap_score is None and scores[0][0] <= scores[1][0] * (1 + PREDICTION_MARGIN):
             # Closer than the prediction can tell: the partition known to hold less, the one
-            # meeting the budget (stock's own), is taken.
+            # meeting the budget (stock's own), is taken.  Where Inductor's accounting prices
+            # the knapsack, the floor stays: the ceiling prices its graphs too and takes the
+            # lower of the two (a knapsack meeting the fraction can peak above a looser one).
             return True, (
                 f"taken over the plan's floor: it meets the budget the floor misses, and holds {scores[0][0]} B "
                 f"against {scores[1][0]} B, closer than the prediction's {PREDICTION_MARGIN:.0%}"
