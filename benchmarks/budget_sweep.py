@@ -8,7 +8,9 @@ LoRA fine-tune of rank R; the text is bytes, ``--vocab`` widens the embedding, t
 the logits: a comma list is a sweep per vocabulary, the axis where the loss head becomes the
 step's peak; ``--loss`` the loss on the logits, a comma list a sweep per loss:
 ``torch_patches.testing.models.LOSSES``, cross-entropy, label smoothing, a z-loss, DPO, GRPO,
-a KL to a teacher's logits) and runs, each in a
+a KL to a teacher's logits; ``--lengths`` the batches' lengths, ``fixed`` or ``pad``, as a
+pad-to-longest collator makes them: 512, 448, 384, 320 tokens in turn at ``--seq 512``, each
+length's peak in a table of its own) and runs, each in a
 subprocess of its own (its own compile cache): the compiled model without hooks, and per
 fraction F a ``budget:F`` row (torch_patches applied) and an ``amb:F`` row (stock torch,
 torch_patches not applied).  Each row trains ``--steps`` steps (the first compiles) and
@@ -54,7 +56,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.convergence import OFFLOAD_ROWS, TrainConfig, run_in_subprocess
+from benchmarks.convergence import LENGTHS, OFFLOAD_ROWS, TrainConfig, run_in_subprocess
 from torch_patches._functorch._aot_autograd.activation_budget.cost_model import copy_engine
 from torch_patches.testing.models import CALLS, LOSSES
 
@@ -124,6 +126,7 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
     (``layers``: compiled per decoder layer, see :func:`call_order`)."""
     base_peak, base_ms = _step(results["compiled"])
     base_first = _first(results["compiled"])
+    base_lengths = _by_length(results["compiled"])
     lines = []
     for f in fractions:
         ours, stock = results[f"budget:{f:g}"], results[f"amb:{f:g}"]
@@ -149,6 +152,11 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
                 # The first step (compile and run) against no hooks' first step.
                 "ours_first": _ratio(_first(ours), base_first),
                 "stock_first": _ratio(_first(stock), base_first),
+                # Each length's peak against no hooks' at that length (pad-to-longest runs).
+                "by_length": {
+                    n: {"ours": _ratio(_by_length(ours).get(n), b), "stock": _ratio(_by_length(stock).get(n), b)}
+                    for n, b in base_lengths.items()
+                },
                 "errors": [r["error"] for r in (ours, stock) if "error" in r],
             }
         )
@@ -180,6 +188,13 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
         "planned_off": off,
         "offload": offload,
     }
+
+
+def _by_length(row: dict[str, Any]) -> dict[str, int]:
+    """A row's warm peak at each length of its batches (one for fixed lengths), where
+    recorded."""
+    seed = next(iter((row.get("seeds") or {}).values()), None) if "error" not in row else None
+    return dict(seed.get("peaks_by_length") or {}) if seed else {}
 
 
 def _first(row: dict[str, Any]) -> float | None:
@@ -217,6 +232,13 @@ def format_table(summary: dict[str, Any], tolerance: float) -> str:
             f"{_x(line['stock_peak'])} | {_x(line['ours_time'])} | {_x(line['stock_time'])} | {_x(line.get('ours_first'))} | "
             f"{_x(line.get('stock_first'))} |"
         )
+    lengths = sorted({n for line in summary["lines"] for n in line.get("by_length", {})}, key=int, reverse=True)
+    if len(lengths) > 1:  # batches of several lengths: each length's peak x its own no hooks'
+        out.append("\n| F | " + " | ".join(f"`budget(F)` / stock x at {n}" for n in lengths) + " |")
+        out.append("|---:|" + "---:|" * len(lengths))
+        for line in summary["lines"]:
+            cells = [f"{_x(line['by_length'].get(n, {}).get('ours'))} / {_x(line['by_length'].get(n, {}).get('stock'))}" for n in lengths]
+            out.append(f"| {line['fraction']:g} | " + " | ".join(cells) + " |")
     base = summary["base_peak_bytes"]
     out.append(f"\n(no hooks: {base / 2**20:.1f} MiB peak, {summary['base_step_ms']:.0f} ms a step)" if base else "")
     rises = summary["rises"]
@@ -296,6 +318,12 @@ def _parser() -> argparse.ArgumentParser:
         default="ce",
         help=f"the losses on the logits, a comma list (a sweep per loss): {', '.join(LOSSES)} (models.LOSSES)",
     )
+    parser.add_argument(
+        "--lengths",
+        default="fixed",
+        help="the batches' lengths, a comma list (a sweep per kind): fixed, or pad (as a pad-to-longest collator: "
+        "seq x 1, 7/8, 3/4, 5/8 in turn; --steps at least 6)",
+    )
     parser.add_argument("--lora", type=int, default=0, help="a PEFT LoRA fine-tune of this rank (every linear but the head; 0: none)")
     parser.add_argument(
         "--by-hand",
@@ -327,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     losses = [x for x in args.loss.split(",") if x]
     if not losses or any(x not in LOSSES for x in losses):
         parser.error(f"--loss: a comma list of {', '.join(LOSSES)}")
-    out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "losses": losses, "sweeps": {}}
-    for vocab, loss in [(v, x) for v in vocabs for x in losses]:
+    kinds = [x for x in args.lengths.split(",") if x]
+    if not kinds or any(x not in LENGTHS for x in kinds):
+        parser.error(f"--lengths: a comma list of {', '.join(LENGTHS)}")
+    if "pad" in kinds and args.steps < 6:
+        parser.error("--steps: at least 6 with --lengths pad (every length compiles, then each is measured, the rest timed)")
+    out = {"torch": torch.__version__, "fractions": fractions, "vocabs": vocabs, "losses": losses, "lengths": kinds, "sweeps": {}}
+    for vocab, loss, lengths in [(v, x, n) for v in vocabs for x in losses for n in kinds]:
         sizes = dict(
             layers=args.layers,
             dim=args.dim,
@@ -346,15 +379,17 @@ def main(argv: list[str] | None = None) -> int:
             call=args.call,
             lora=args.lora,
             loss=loss,
+            lengths=lengths,
         )
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers x {args.dim}, "
             f"vocab {vocab}, batch {args.batch} x {args.seq}; backend {args.backend}, device {args.device}; "
-            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}, loss {loss}"
+            f"compiled per {args.compile_per}, budget bounds {args.bounds}, call {args.call}, loss {loss}, lengths {lengths}"
             + (f", LoRA rank {args.lora}" if args.lora else ""),
             flush=True,
         )
-        sweep = out["sweeps"][str(vocab) if loss == "ce" else f"{vocab}/{loss}"] = {"sizes": sizes, "models": {}}
+        key = "/".join([str(vocab)] + [loss] * (loss != "ce") + [lengths] * (lengths != "fixed"))
+        sweep = out["sweeps"][key] = {"sizes": sizes, "models": {}}
         for model in [m for m in args.models.split(",") if m]:
             cfg = TrainConfig(model=model, **sizes)
             rows = ["compiled"] + [f"{kind}:{f:g}" for f in reversed(fractions) for kind in ("budget", "amb")]
@@ -370,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {model} {row}: {measured} ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
             summary = summarize(results, fractions, args.tolerance, args.layers if args.compile_per == "layer" else None)
             sweep["models"][model] = {"config": dataclasses.asdict(cfg), "rows": results, "summary": summary}
-            print(f"\n{model} (vocab {vocab}, loss {loss}):\n{format_table(summary, args.tolerance)}", flush=True)
+            print(f"\n{model} (vocab {vocab}, loss {loss}, lengths {lengths}):\n{format_table(summary, args.tolerance)}", flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

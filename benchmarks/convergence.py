@@ -132,6 +132,12 @@ class TrainConfig:
     #: label smoothing, a z-loss, DPO's, GRPO's, or a KL to a teacher's logits (``"kl"``: a
     #: second model of the same config, frozen, its logits computed in the step).
     loss: str = "ce"
+    #: The batches' lengths (:data:`LENGTHS`): ``"fixed"``, every batch ``seq`` tokens;
+    #: ``"pad"``, as a pad-to-longest collator makes them (HF Trainer's and TRL's default):
+    #: the steps cycle through :data:`PAD_LENGTHS` of ``seq`` (512, 448, 384, 320 at 512),
+    #: the second length recompiling with a symbolic length; each length's warm peak is
+    #: measured once every length has run.
+    lengths: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -148,6 +154,19 @@ class TrainConfig:
             raise ValueError(f"call must be one of {CALLS}, got {self.call!r}")
         if self.lora < 0:
             raise ValueError(f"lora is a rank (0: no adapters), got {self.lora}")
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {LENGTHS}, got {self.lengths!r}")
+
+
+#: How the batches' lengths run (:attr:`TrainConfig.lengths`).
+LENGTHS = ("fixed", "pad")
+#: The lengths a pad-to-longest run cycles through, as fractions of ``seq``.
+PAD_LENGTHS = (1.0, 0.875, 0.75, 0.625)
+
+
+def step_lengths(cfg: TrainConfig) -> tuple[int, ...]:
+    """The lengths a run's batches cycle through (:attr:`TrainConfig.lengths`)."""
+    return (cfg.seq,) if cfg.lengths == "fixed" else tuple(max(2, round(cfg.seq * f)) for f in PAD_LENGTHS)
 
 
 # --------------------------------------------------------------------------- data
@@ -329,7 +348,7 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     import torch._functorch.config as functorch_config
 
     import torch_patches
-    from torch_patches.testing import peak_bytes, saved_tensor_records
+    from torch_patches.testing import saved_tensor_records
 
     if row.applies_patches:
         torch_patches.apply()
@@ -384,14 +403,14 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
             batches = train_batches(train, cfg, seed)
             opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
             losses, times, curve = [], [], [(0, eval_loss())]
-            peak = None
+            peaks: dict[str, int] | None = None
+            lengths = step_lengths(cfg)
             for step in range(cfg.steps):
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, cfg)
-                ids = batches[step]
-                if step == 2 and peak is None:  # warm (compiled), measured apart from the timing
-                    peak = peak_bytes(lambda: forward(ids).backward(), cfg.device)
-                    opt.zero_grad(set_to_none=True)
+                ids = batches[step][..., : lengths[step % len(lengths)]]
+                if step == max(2, len(lengths)) and peaks is None:  # warm (every length compiled), apart from the timing
+                    peaks = _length_peaks(lambda n: forward(batches[step][..., :n]).backward(), lengths, opt, cfg.device)
                 start = time.perf_counter()
                 loss = forward(ids)
                 loss.backward()
@@ -407,7 +426,9 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
             out["seeds"][str(seed)] = {
                 "train": losses,
                 "eval": curve,
-                "peak_bytes": peak,
+                "peak_bytes": max(peaks.values()) if peaks else None,
+                # Each length's warm peak (one entry for fixed lengths).
+                "peaks_by_length": peaks,
                 "step_ms": 1000 * statistics.median(times[3:] or times),
                 # The first step's time: its compile (a fresh process, its own cache) and run.
                 "first_step_s": times[0] if times else None,
@@ -418,6 +439,18 @@ def run_row(cfg: TrainConfig, row: Row, seeds: Iterable[int], allowlist: dict[st
     # The budget plans of the compiled graphs (the first compile's: one per graph).
     out["plans"] = [{**plan_row(p), "compile_id": c.compile_id} for c in compiled for p in c.plans]
     return out
+
+
+def _length_peaks(step: Any, lengths: tuple[int, ...], opt: Any, device: str) -> dict[str, int]:
+    """The peak of one step (``step(n)``: forward and backward at length ``n``) at each of
+    ``lengths``, the gradients dropped after each."""
+    from torch_patches.testing import peak_bytes
+
+    peaks = {}
+    for n in lengths:
+        peaks[str(n)] = peak_bytes(lambda: step(n), device)
+        opt.zero_grad(set_to_none=True)
+    return peaks
 
 
 def plan_row(plan: Any) -> dict[str, Any]:

@@ -148,6 +148,26 @@ class TestBudgetSweep(TestCase):
         )
         self.assertIn("| 0.5 | 0.55 | met in 1 of 2 graphs |", budget_sweep.format_table(mixed, 0.02))
 
+    def test_each_length_against_no_hooks_at_that_length(self) -> None:
+        # Pad-to-longest batches: each length's peak against no hooks' at that length.
+        def row(by_length):
+            return {"seeds": {"0": {"peak_bytes": max(by_length.values()), "step_ms": 100.0, "peaks_by_length": by_length}}, "plans": []}
+
+        results = {
+            "compiled": row({"512": 1000, "384": 800}),
+            "budget:0.1": row({"512": 400, "384": 400}),
+            "amb:0.1": row({"512": 900, "384": 720}),
+        }
+        summary = budget_sweep.summarize(results, [0.1], 0.02)
+        self.assertEqual(summary["lines"][0]["by_length"], {"512": {"ours": 0.4, "stock": 0.9}, "384": {"ours": 0.5, "stock": 0.9}})
+        table = budget_sweep.format_table(summary, 0.02)
+        self.assertIn("| F | `budget(F)` / stock x at 512 | `budget(F)` / stock x at 384 |", table)
+        self.assertIn("| 0.1 | 0.40 / 0.90 | 0.50 / 0.90 |", table)
+        # One length: no table of lengths.
+        self.assertNotIn(
+            "stock x at", budget_sweep.format_table(budget_sweep.summarize(self.results({0.1: 1}, {0.1: 1}, {0.1: []}), [0.1], 0.02), 0.02)
+        )
+
     def test_monotonic_and_below_stock_say_so(self) -> None:
         plans = {f: [self.plan(100, 1000, True)] for f in (0.3, 0.6)}
         summary = budget_sweep.summarize(self.results({0.3: 400, 0.6: 400}, {0.3: 395, 0.6: 500}, plans), [0.3, 0.6], 0.02)

@@ -198,6 +198,18 @@ class TestTheLadder(TestCase):
             self.assertEqual([r for r, _, _ in ceiling._ladder(never)], ["knapsack", "knapsack 0.5"])
         self.assertEqual(ceiling._ladder(offer)[2][2], "stock's activation_memory_budget = 0.4 (looser than 0.3)")
 
+    def test_words_with_and_without_a_partition_of_the_partitioner(self) -> None:
+        # Only the default partition left (no fraction offered, or every rung ruled out,
+        # already held against, or holding more than the plan's graphs): said alone.
+        priced = Accounted(3 << 20, 1 << 20, "backward buf0")
+        default = ceiling.Alternative("the default partition without a budget", priced, lambda fw, bw: None)
+        self.assertEqual(ceiling._words([default], False, 0), "the default partition without a budget's 3145728 B (3.0 MiB)")
+        rungs = [ceiling.Alternative(f"stock's {mib}", Accounted(mib << 20, 0, "x"), lambda fw, bw: None, True) for mib in (5, 2)]
+        self.assertEqual(
+            ceiling._words([default, *rungs], False, 0),
+            "the default partition without a budget's 3145728 B (3.0 MiB) and stock's 2's 2097152 B (2.0 MiB)",
+        )
+
 
 class TestHeldToALooserKnob(TestCase):
     """Stock's knapsack is not monotone in the fraction: at a tighter one it can peak higher

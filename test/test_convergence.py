@@ -82,6 +82,27 @@ class TestTrainBenchPieces(unittest.TestCase):
             with self.assertRaises(ValueError):
                 cv.Row.parse(bad)
 
+    def test_pad_to_longest_lengths(self) -> None:
+        # As a pad-to-longest collator makes batches: seq x 1, 7/8, 3/4, 5/8 in turn.
+        self.assertEqual(cv.step_lengths(cv.TrainConfig(seq=512, lengths="pad")), (512, 448, 384, 320))
+        self.assertEqual(cv.step_lengths(cv.TrainConfig(seq=512)), (512,))
+        with self.assertRaisesRegex(ValueError, "lengths must be one of"):
+            cv.TrainConfig(lengths="bucketed")
+
+    @pytest.mark.slow  # a compile and a recompile at a symbolic length
+    def test_pad_to_longest_run_measures_every_length(self) -> None:
+        pytest.importorskip("transformers")
+        cfg = cv.TrainConfig(
+            model="llama", layers=1, dim=32, heads=2, seq=32, batch=2, steps=6, eval_every=6, eval_batches=1, lengths="pad"
+        )
+        torch._dynamo.reset()
+        (seed,) = cv.run_row(cfg, cv.Row.parse("compiled"), [0])["seeds"].values()
+        self.assertEqual(sorted(seed["peaks_by_length"], key=int), ["20", "24", "28", "32"])
+        self.assertTrue(all(p > 0 for p in seed["peaks_by_length"].values()))
+        self.assertEqual(seed["peak_bytes"], max(seed["peaks_by_length"].values()))
+        self.assertEqual(len(seed["train"]), 6)
+        torch._dynamo.reset()
+
     def test_compiled_per_layer(self) -> None:
         # --compile-per layer compiles each decoder layer on its own (the budget's graphs of
         # several); the layers of both models are found.

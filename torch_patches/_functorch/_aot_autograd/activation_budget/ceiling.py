@@ -242,7 +242,9 @@ def hold(
 def _words(alternatives: list[Alternative], forward_end: bool, after: int) -> str:
     """The default partition's score and the lowest other alternative's, in words."""
     others = [a for a in alternatives if a.repartitioned]
-    said = [a for a in alternatives if not a.repartitioned] + [min(others, key=lambda a: a.priced.score(forward_end, after))] * bool(others)
+    said = [a for a in alternatives if not a.repartitioned]
+    if others:
+        said.append(min(others, key=lambda a: a.priced.score(forward_end, after)))
     return " and ".join(f"{a.name}'s {nbytes_in_words(a.priced.score(forward_end, after))}" for a in said)
 
 
