@@ -63,8 +63,13 @@ from torch_patches.testing.models import CALLS, LOSSES
 DEFAULT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 
 
+def _seed(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A row's first seed's results (the sweep runs one), or None where the row failed."""
+    return next(iter((row.get("seeds") or {}).values()), None) if "error" not in row else None
+
+
 def _step(row: dict[str, Any]) -> tuple[int | None, float | None]:
-    seed = next(iter(row.get("seeds", {}).values()), None) if "error" not in row else None
+    seed = _seed(row)
     return (seed["peak_bytes"], seed["step_ms"]) if seed else (None, None)
 
 
@@ -193,14 +198,13 @@ def summarize(results: dict[str, dict[str, Any]], fractions: list[float], tolera
 def _by_length(row: dict[str, Any]) -> dict[str, int]:
     """A row's warm peak at each length of its batches (one for fixed lengths), where
     recorded."""
-    seed = next(iter((row.get("seeds") or {}).values()), None) if "error" not in row else None
+    seed = _seed(row)
     return dict(seed.get("peaks_by_length") or {}) if seed else {}
 
 
 def _first(row: dict[str, Any]) -> float | None:
     """A row's first step in seconds (its compile and run), where recorded."""
-    seeds = row.get("seeds") or {}
-    seed = next(iter(seeds.values()), None)
+    seed = _seed(row)
     return seed.get("first_step_s") if seed else None
 
 
